@@ -1,0 +1,31 @@
+"""Exceptions raised by the checkpoint conversion layer."""
+
+from __future__ import annotations
+
+
+class ConversionError(ValueError):
+    """A conversion rule cannot be applied to a checkpoint or a model.
+
+    Raised before any parameter of the model is touched, so a model is never returned half-loaded.
+    The message names the rule, the checkpoint/parameter key and, where relevant, the shapes at fault.
+    """
+
+
+class ConversionShapeError(ConversionError):
+    """A converted tensor does not have the shape of the parameter it is destined for.
+
+    Attributes:
+        key: the model parameter name.
+        converted_shape: shape produced by the rule's operations.
+        expected_shape: shape of the model parameter.
+    """
+
+    def __init__(self, key: str, converted_shape, expected_shape, rule: str):
+        self.key = key
+        self.converted_shape = tuple(converted_shape)
+        self.expected_shape = tuple(expected_shape)
+        self.rule = rule
+        super().__init__(
+            f"Converted tensor for '{key}' has shape {self.converted_shape} but the model parameter has shape "
+            f"{self.expected_shape} (rule: {rule}). Nothing was loaded."
+        )

@@ -1,0 +1,187 @@
+"""Tensor operations used by :class:`~modelpatch.conversion.rules.WeightConverter`, each with an exact inverse.
+
+The classes subclass Transformers' ``core_model_loading.ConversionOps`` so they plug into the same converter
+protocol (``convert(input_dict, source_patterns, target_patterns, **kwargs) -> dict[pattern, Tensor]``), and reuse
+Transformers' implementation where it is correct (``Concatenate``, ``MergeModulelist``, ``SplitModulelist``,
+``Transpose``). ``Chunk`` is reimplemented: Transformers' version splits into *equal* pieces, so the reverse of a
+grouped-query ``qkv_proj`` (e.g. 64/32/32 rows) silently produced 43/43/42 rows.
+
+All operations are pure data movement (``cat``/``split``/``stack``/``transpose``): values are preserved bit for bit,
+for any dtype, and they also run on ``meta`` tensors (used to check shapes before anything is loaded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from transformers import core_model_loading as _tcml
+
+from .errors import ConversionError
+
+__all__ = ["Chunk", "Concatenate", "MergeModulelist", "SplitModulelist", "Transpose", "as_modelpatch_op"]
+
+
+def _single_tensor(input_dict: dict, op: str) -> torch.Tensor:
+    if len(input_dict) != 1:
+        raise ConversionError(f"{op} expects exactly one source tensor, got patterns {list(input_dict)}")
+    tensors = next(iter(input_dict.values()))
+    if isinstance(tensors, list):
+        if len(tensors) != 1:
+            raise ConversionError(f"{op} expects one tensor per source, got {len(tensors)}")
+        return tensors[0]
+    return tensors
+
+
+class Chunk(_tcml.ConversionOps):
+    """Split one tensor along ``dim`` into one piece per target pattern.
+
+    Args:
+        dim: dimension to split.
+        sizes: explicit piece sizes along ``dim`` (e.g. ``[64, 32, 32]`` for GQA q/k/v rows). When ``None`` the
+            sizes are resolved, in order, from ``reference_shapes`` passed by the engine (at load: the patched model's
+            parameter shapes; at save: the shapes recorded from the checkpoint that was loaded, else those of the
+            vanilla model), and only for intermediate, stacked targets (patterns containing ``*``) by an equal split.
+
+    Input: ``{source: Tensor[..., sum(sizes), ...]}``; output: ``{target_i: Tensor[..., sizes[i], ...]}`` (contiguous).
+
+    Raises:
+        ConversionError: the sizes do not add up to the tensor's size along ``dim``, or cannot be determined
+            (a concrete target without a reference shape is never guessed by an equal split).
+    """
+
+    def __init__(self, dim: int = 0, sizes: Sequence[int] | None = None):
+        self.dim = dim
+        self.sizes = None if sizes is None else [int(s) for s in sizes]
+
+    def __repr__(self):
+        return f"Chunk(dim={self.dim}" + ("" if self.sizes is None else f", sizes={self.sizes}") + ")"
+
+    def _resolve_sizes(self, tensor, target_patterns, full_layer_name, reference_shapes) -> list[int]:
+        total = tensor.shape[self.dim]
+        if self.sizes is not None:
+            if len(self.sizes) != len(target_patterns) or sum(self.sizes) != total:
+                raise ConversionError(
+                    f"{self!r}: sizes {self.sizes} do not split dimension {self.dim} of size {total} into "
+                    f"{len(target_patterns)} pieces for {target_patterns} ({full_layer_name})"
+                )
+            return list(self.sizes)
+        if any("*" in t for t in target_patterns):
+            # Intermediate stacked tensors (e.g. gate/up halves of a fused experts tensor): equal halves by definition.
+            if total % len(target_patterns):
+                raise ConversionError(f"{self!r}: cannot split {total} evenly into {target_patterns} ({full_layer_name})")
+            return [total // len(target_patterns)] * len(target_patterns)
+        sizes = []
+        prefix, first, suffix = (full_layer_name or "").rpartition(target_patterns[0])
+        for target in target_patterns:
+            name = f"{prefix}{target}{suffix}" if first else None
+            shape = reference_shapes.get(name) if (reference_shapes is not None and name) else None
+            if shape is None or len(shape) != tensor.dim():
+                raise ConversionError(
+                    f"{self!r}: cannot determine the size of '{name or target}' along dim {self.dim} when splitting "
+                    f"'{full_layer_name}' of shape {tuple(tensor.shape)}; pass Chunk(dim={self.dim}, sizes=[...])"
+                )
+            sizes.append(int(shape[self.dim]))
+        if sum(sizes) != total:
+            raise ConversionError(
+                f"{self!r}: reference sizes {sizes} of {target_patterns} do not add up to {total} "
+                f"(dim {self.dim} of '{full_layer_name}', shape {tuple(tensor.shape)})"
+            )
+        return sizes
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, reference_shapes=None, **kw):
+        tensor = _single_tensor(input_dict, repr(self))
+        sizes = self._resolve_sizes(tensor, target_patterns, full_layer_name, reference_shapes)
+        pieces = torch.split(tensor, sizes, dim=self.dim)
+        return {target: piece.contiguous() for target, piece in zip(target_patterns, pieces)}
+
+    @property
+    def reverse_op(self) -> "Concatenate":
+        return Concatenate(self.dim)
+
+
+class Concatenate(_tcml.Concatenate):
+    """Concatenate the source tensors, in ``source_patterns`` order, along ``dim`` into the single target.
+
+    Input: ``{source_i: Tensor[..., n_i, ...]}``; output: ``{target: Tensor[..., sum(n_i), ...]}``. The reverse is a
+    :class:`Chunk` whose sizes are taken from the shapes recorded when the checkpoint was loaded (or from the vanilla
+    model for a model that was never loaded), so unequal pieces (GQA) round-trip exactly.
+    """
+
+    def __init__(self, dim: int = 0):
+        super().__init__(dim=dim)
+
+    def __repr__(self):
+        return f"Concatenate(dim={self.dim})"
+
+    @property
+    def reverse_op(self) -> Chunk:
+        return Chunk(self.dim)
+
+
+class MergeModulelist(_tcml.MergeModulelist):
+    """Stack a list of per-module tensors (e.g. one per expert, in index order) along ``dim``.
+
+    Input: ``{source: [Tensor[*s]] * E}``; output: one ``Tensor`` with ``E`` inserted at ``dim``.
+    Inverse: :class:`SplitModulelist`.
+    """
+
+    def __repr__(self):
+        return f"MergeModulelist(dim={self.dim})"
+
+    @property
+    def reverse_op(self) -> "SplitModulelist":
+        return SplitModulelist(self.dim)
+
+
+class SplitModulelist(_tcml.SplitModulelist):
+    """Unstack a tensor along ``dim`` into one tensor per module; ``*`` in the target pattern becomes the index.
+
+    Input: ``{source: Tensor}`` with ``E = shape[dim]``; output: ``{pattern.replace('*', str(e)): Tensor}``.
+    Inverse: :class:`MergeModulelist`.
+    """
+
+    def __repr__(self):
+        return f"SplitModulelist(dim={self.dim})"
+
+    @property
+    def reverse_op(self) -> MergeModulelist:
+        return MergeModulelist(self.dim)
+
+
+class Transpose(_tcml.Transpose):
+    """Swap dimensions ``dim0`` and ``dim1`` (result made contiguous). Its own inverse (with dims swapped).
+
+    Never guesses from shapes: Transformers' ``check_dims`` mode is not exposed.
+    """
+
+    def __init__(self, dim0: int = 0, dim1: int = 1):
+        super().__init__(dim0=dim0, dim1=dim1, check_dims=False)
+
+    def __repr__(self):
+        return f"Transpose(dim0={self.dim0}, dim1={self.dim1})"
+
+    @property
+    def reverse_op(self) -> "Transpose":
+        return Transpose(self.dim1, self.dim0)
+
+
+_FROM_TRANSFORMERS: Mapping[type, type] = {
+    _tcml.Concatenate: Concatenate,
+    _tcml.MergeModulelist: MergeModulelist,
+    _tcml.SplitModulelist: SplitModulelist,
+}
+
+
+def as_modelpatch_op(op: _tcml.ConversionOps) -> _tcml.ConversionOps:
+    """Return the modelpatch equivalent of a Transformers operation (exact inverse), or ``op`` itself if none exists."""
+    if isinstance(op, (Chunk, Concatenate, MergeModulelist, SplitModulelist, Transpose)):
+        return op
+    if type(op) is _tcml.Chunk and getattr(op, "num_shards_attribute", None) is None:
+        return Chunk(op.dim)
+    if type(op) is _tcml.Transpose and not op.check_dims:
+        return Transpose(op.dim0, op.dim1)
+    if type(op) in _FROM_TRANSFORMERS and getattr(op, "num_shards_attribute", None) is None:
+        return _FROM_TRANSFORMERS[type(op)](op.dim)
+    return op

@@ -1,0 +1,140 @@
+"""Conversion rules: :class:`WeightRenaming` and :class:`WeightConverter`.
+
+They subclass Transformers' ``WeightRenaming`` / ``WeightConverter`` (same constructor, same ``scope_prefix`` handling,
+same ``reverse_transform``), with two differences:
+
+* patterns match on **module-path boundaries**: a pattern starting with a name character only matches at the start
+  of the key or right after a ``.``, so ``experts.`` never matches inside ``shared_experts.`` (Transformers'
+  unanchored search once split ``shared_experts`` into thousands of keys on save);
+* the replacement is spliced at the matched position (Transformers replaces the first *textual* occurrence).
+
+Source patterns name checkpoint keys (after Transformers-style renamings), target patterns name parameters of the
+patched model. ``*`` stands for a module index (``mlp.experts.*.gate_proj.weight``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from transformers import core_model_loading as _tcml
+
+from .errors import ConversionError
+from .ops import as_modelpatch_op
+
+__all__ = ["WeightConverter", "WeightRenaming", "RuleMatch", "match_rule", "pattern_regex", "as_modelpatch_rule"]
+
+_NAME_START = re.compile(r"[A-Za-z0-9_]")
+
+
+def pattern_regex(pattern: str) -> str:
+    """Regex text for one source pattern, anchored on module-path boundaries (see module docstring)."""
+    body = pattern.replace("*.", r".*\.")
+    if re.search(r"[a-zA-Z0-9]$", body):
+        body += r"(?!\w)"
+    if _NAME_START.match(body):
+        body = r"(?<![^.])" + body
+    return body
+
+
+class _BoundaryMatching:
+    __slots__ = ()
+
+    def _compile_boundaries(self) -> None:
+        branches = [
+            f"(?P<g{i}>{pattern_regex(p)})"
+            for i, p in sorted(enumerate(self.source_patterns), key=lambda item: -len(item[1]))
+        ]
+        self.compiled_sources = re.compile("|".join(branches))
+
+    def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+        match = match_rule(self, source_key)
+        if match is None:
+            return source_key, None
+        self._was_used = True
+        return match.renamed_key, match.source_pattern
+
+
+class WeightRenaming(_BoundaryMatching, _tcml.WeightRenaming):
+    """Rename checkpoint keys: ``WeightRenaming(source_patterns, target_patterns)`` (one pattern each, regex allowed,
+    ``\\1`` back-references as in Transformers). The tensor itself is unchanged."""
+
+    __slots__ = ()
+
+    def __init__(self, source_patterns, target_patterns):
+        super().__init__(source_patterns=source_patterns, target_patterns=target_patterns)
+        if len(self.source_patterns) != 1 or len(self.target_patterns) != 1:
+            raise ConversionError(f"WeightRenaming takes one source and one target pattern, got {self!r}")
+        self._compile_boundaries()
+
+
+class WeightConverter(_BoundaryMatching, _tcml.WeightConverter):
+    """Convert checkpoint tensors with ``operations`` applied in order.
+
+    ``WeightConverter(source_patterns, target_patterns, operations)``: one-to-one, many-to-one (e.g. q/k/v → qkv with
+    ``Concatenate``) or one-to-many (e.g. fused experts → per-expert with ``Chunk`` + ``SplitModulelist``).
+    Transformers' operations are replaced by the modelpatch equivalents (exact inverses).
+
+    Raises:
+        ConversionError: many-to-many patterns, or no operation.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, source_patterns, target_patterns, operations, **kwargs):
+        operations = [as_modelpatch_op(op) for op in operations]
+        try:
+            super().__init__(source_patterns, target_patterns, operations, **kwargs)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None
+        self._compile_boundaries()
+
+    def __repr__(self):
+        return (
+            f"WeightConverter(source_patterns={self._original_source_patterns}, "
+            f"target_patterns={self._original_target_patterns}, operations={self.operations})"
+        )
+
+
+@dataclass(frozen=True)
+class RuleMatch:
+    """Where a rule matched a key: ``key == prefix + <matched text> + suffix``; ``renamed_key`` has the rule's first
+    target pattern in place of the matched text."""
+
+    prefix: str
+    suffix: str
+    source_pattern: str
+    renamed_key: str
+
+
+def match_rule(rule: _tcml.WeightTransform, key: str) -> RuleMatch | None:
+    """Match ``rule`` (modelpatch or Transformers transform, honouring its ``scope_prefix``) against ``key``."""
+    matched = rule._scoped_match(key)
+    if matched is None:
+        return None
+    prefix_dot, key_to_match, m = matched
+    group = next(name for name, val in m.groupdict().items() if val is not None)
+    replacement = rule.target_patterns[0]
+    if r"\1" in replacement:
+        replacement = replacement.replace(r"\1", m.group(rule.compiled_sources.groupindex[group] + 1))
+    prefix = (prefix_dot or "") + key_to_match[: m.start()]
+    suffix = key_to_match[m.end():]
+    return RuleMatch(prefix, suffix, rule.source_patterns[int(group[1:])], prefix + replacement + suffix)
+
+
+def as_modelpatch_rule(rule) -> WeightRenaming | WeightConverter:
+    """Accept a modelpatch rule as is; rebuild a plain Transformers ``WeightRenaming``/``WeightConverter`` as the
+    modelpatch equivalent (boundary matching, exact inverses).
+
+    Raises:
+        TypeError: ``rule`` is not a weight transform.
+    """
+    if isinstance(rule, (WeightRenaming, WeightConverter)):
+        return rule
+    if type(rule) is _tcml.WeightRenaming:
+        return WeightRenaming(list(rule._original_source_patterns), list(rule._original_target_patterns))
+    if type(rule) is _tcml.WeightConverter:
+        return WeightConverter(
+            list(rule._original_source_patterns), list(rule._original_target_patterns), list(rule.operations)
+        )
+    raise TypeError(f"expected a WeightRenaming or WeightConverter, got {type(rule).__name__}: {rule!r}")

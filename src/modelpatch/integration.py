@@ -1,0 +1,116 @@
+"""Automatic application: the registry is in force while Transformers builds a model.
+
+Installed once when :mod:`modelpatch` is imported (idempotent), these thin wrappers are the only
+process-wide change modelpatch makes, and they are inert while the registry is empty and no block is
+open:
+
+* ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (which every ``Auto*`` class,
+  every concrete class and every composite model building sub-models from sub-configs goes through)
+  open a registry :class:`~modelpatch.scope.PatchScope` around the whole build and load, and fix the
+  output recorders of the result;
+* ``PreTrainedModel.__init__`` (which runs before a model builds its children) picks up modeling
+  modules imported since the last look, so a module first imported inside a block is patched too, and
+  remembers which scopes built the model, for :func:`~modelpatch.patch_report`;
+* ``PreTrainedModel.post_init`` fixes the output recorders of models built inside a block.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+from transformers.modeling_utils import PreTrainedModel
+
+from .recorders import install_registry_extension, patch_output_recorders
+from .registry import is_strict_patching, registered_patch_mapping
+from .scope import PatchScope, active_scopes, refresh_catalog
+
+__all__ = ["install", "scopes_that_built"]
+
+_BUILT_IN: "weakref.WeakKeyDictionary[PreTrainedModel, tuple[PatchScope, ...]]" = weakref.WeakKeyDictionary()
+_MARK = "_modelpatch_wrapped"
+
+
+def scopes_that_built(model) -> tuple[PatchScope, ...]:
+    """The scopes that were active when ``model`` (a ``PreTrainedModel``) was constructed."""
+    return _BUILT_IN.get(model, ())
+
+
+class _RegistryBuild:
+    """Context for one ``from_pretrained``/``from_config`` call: the registry scope, if needed."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.scope: PatchScope | None = None
+
+    def __enter__(self):
+        mapping = registered_patch_mapping()
+        if mapping and not any(s.mapping is mapping for s in active_scopes()):
+            self.scope = PatchScope(mapping, explicit=False, strict=is_strict_patching(), label=self.label)
+            self.scope.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.scope is not None:
+            self.scope.__exit__(exc_type, exc, tb)
+
+
+def _wrap_build(name: str) -> None:
+    original = getattr(PreTrainedModel, name).__func__
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def build(cls, *args, **kwargs):
+        with _RegistryBuild(f"{cls.__name__}.{name}"):
+            model = original(cls, *args, **kwargs)
+            if active_scopes() and isinstance(model, PreTrainedModel):
+                patch_output_recorders(model)
+        return model
+
+    setattr(build, _MARK, True)
+    setattr(PreTrainedModel, name, classmethod(build))
+
+
+def _wrap_init() -> None:
+    original = PreTrainedModel.__init__
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        scopes = active_scopes()
+        if scopes:
+            refresh_catalog()
+            _BUILT_IN[self] = scopes
+            for scope in scopes:
+                scope.models_built += 1
+        original(self, *args, **kwargs)
+
+    setattr(__init__, _MARK, True)
+    PreTrainedModel.__init__ = __init__
+
+
+def _wrap_post_init() -> None:
+    original = PreTrainedModel.post_init
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if self in _BUILT_IN:
+            patch_output_recorders(self)
+        return result
+
+    setattr(post_init, _MARK, True)
+    PreTrainedModel.post_init = post_init
+
+
+def install() -> None:
+    """Install the wrappers (idempotent)."""
+    install_registry_extension()
+    _wrap_build("from_pretrained")
+    _wrap_build("_from_config")
+    _wrap_init()
+    _wrap_post_init()

@@ -1,0 +1,249 @@
+"""The patch mapping: validated rules, key resolution, and the process-wide registry.
+
+A *patch mapping* maps keys to replacement classes. A key that is a plain Python identifier
+(``"LlamaAttention"``) is an **exact class name** and matches only a class whose ``__name__`` is that
+string. Any other key (``".*Attention$"``, ``"^Llama\\d+MLP$"``) is a **regular expression** matched
+with :func:`re.search` against the class name. Resolution of a class name:
+
+1. an exact key equal to the name wins over every pattern;
+2. otherwise the first registered pattern that matches wins.
+
+This differs from ``transformers.monkey_patching`` on purpose: there an identifier key is also tried
+as a regex, so ``"LlamaAttention"`` also hits ``DiffLlamaAttention`` and breaks that model.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+__all__ = [
+    "PatchRule",
+    "PatchMapping",
+    "build_patch_mapping",
+    "register_patch_mapping",
+    "unregister_patch_mapping",
+    "clear_patch_mapping",
+    "get_patch_mapping",
+    "registered_patch_mapping",
+    "set_strict_patching",
+    "is_strict_patching",
+]
+
+
+@dataclass(frozen=True)
+class PatchRule:
+    """One entry of a patch mapping.
+
+    Attributes:
+        key: the key as the user wrote it.
+        replacement: the replacement class (an ``nn.Module`` subclass).
+        pattern: the compiled regular expression, or ``None`` when ``key`` is an exact class name.
+    """
+
+    key: str
+    replacement: type
+    pattern: re.Pattern | None
+
+    @property
+    def is_exact(self) -> bool:
+        return self.pattern is None
+
+    def matches(self, class_name: str) -> bool:
+        """Whether this rule applies to a class called ``class_name``."""
+        if self.pattern is None:
+            return class_name == self.key
+        return self.pattern.search(class_name) is not None
+
+
+def _make_rule(key: object, replacement: object) -> PatchRule:
+    """Validate one ``key -> replacement`` pair; raises ``TypeError``/``ValueError`` naming the key."""
+    if not isinstance(key, str):
+        raise TypeError(f"Patch mapping key {key!r} must be a str (a class name or a regex), got {type(key).__name__}")
+    if not isinstance(replacement, type):
+        raise TypeError(
+            f"Replacement for {key!r} must be a class, got {type(replacement).__name__} ({replacement!r})"
+        )
+    if not issubclass(replacement, nn.Module):
+        raise TypeError(
+            f"Replacement for {key!r} must be a subclass of torch.nn.Module, got {replacement.__qualname__} "
+            f"(bases: {[c.__name__ for c in replacement.__mro__[1:]]})"
+        )
+    if key == "":
+        raise ValueError("Patch mapping key '' is empty: as a regex it would match every class")
+    if key.isidentifier():
+        return PatchRule(key, replacement, None)
+    try:
+        compiled = re.compile(key)
+    except re.error as exc:
+        raise ValueError(f"Patch mapping key {key!r} is not a valid regular expression: {exc}") from None
+    return PatchRule(key, replacement, compiled)
+
+
+@dataclass(frozen=True, eq=False)
+class PatchMapping:
+    """An immutable, ordered, validated patch mapping.
+
+    Built with :func:`build_patch_mapping`; the registry hands out one snapshot per change, so a build
+    that started with a snapshot keeps using it even if the registry changes meanwhile.
+    """
+
+    rules: tuple[PatchRule, ...]
+    _exact: dict[str, PatchRule] = field(init=False, repr=False)
+    _patterns: tuple[PatchRule, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_exact", {r.key: r for r in self.rules if r.is_exact})
+        object.__setattr__(self, "_patterns", tuple(r for r in self.rules if not r.is_exact))
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(r.key for r in self.rules)
+
+    def resolve(self, class_name: str) -> PatchRule | None:
+        """The rule that applies to ``class_name`` (exact key first, then the first matching pattern)."""
+        rule = self._exact.get(class_name)
+        if rule is not None:
+            return rule
+        for rule in self._patterns:
+            if rule.pattern.search(class_name) is not None:
+                return rule
+        return None
+
+    def as_dict(self) -> dict[str, type]:
+        return {r.key: r.replacement for r in self.rules}
+
+
+EMPTY_MAPPING = PatchMapping(())
+
+
+def build_patch_mapping(mapping: Mapping[str, type] | PatchMapping) -> PatchMapping:
+    """Validate ``mapping`` into a :class:`PatchMapping`.
+
+    Raises:
+        TypeError: ``mapping`` is not a mapping; a key is not a ``str``; a value is not a class or not an
+            ``nn.Module`` subclass (the message names the key).
+        ValueError: a key is empty or an invalid regular expression (the message names the key and the
+            :mod:`re` error).
+    """
+    if isinstance(mapping, PatchMapping):
+        return mapping
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"A patch mapping must be a dict of key -> replacement class, got {type(mapping).__name__}")
+    return PatchMapping(tuple(_make_rule(k, v) for k, v in mapping.items()))
+
+
+class _Registry:
+    """The process-wide registry. Every method is atomic: it validates everything, then changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rules: dict[str, PatchRule] = {}
+        self._snapshot: PatchMapping = EMPTY_MAPPING
+        self.strict = False
+
+    def snapshot(self) -> PatchMapping:
+        return self._snapshot  # replaced wholesale under the lock, so a read is always consistent
+
+    def _publish(self, rules: dict[str, PatchRule]) -> None:
+        self._rules = rules
+        self._snapshot = PatchMapping(tuple(rules.values())) if rules else EMPTY_MAPPING
+
+    def register(self, mapping: Mapping[str, type], overwrite: bool) -> None:
+        new = build_patch_mapping(mapping)
+        with self._lock:
+            if not overwrite:
+                taken = [r.key for r in new.rules if r.key in self._rules]
+                if taken:
+                    raise ValueError(
+                        f"Patch mapping key(s) {taken} already registered "
+                        f"(to {[self._rules[k].replacement.__qualname__ for k in taken]}); pass overwrite=True to replace"
+                    )
+            rules = dict(self._rules)
+            for rule in new.rules:
+                rules[rule.key] = rule
+            self._publish(rules)
+
+    def unregister(self, keys: Iterable[str]) -> None:
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        with self._lock:
+            unknown = [k for k in keys if k not in self._rules]
+            if unknown:
+                raise ValueError(
+                    f"Patch mapping key(s) {unknown} are not registered; registered keys: {list(self._rules)}"
+                )
+            self._publish({k: r for k, r in self._rules.items() if k not in set(keys)})
+
+    def clear(self) -> None:
+        with self._lock:
+            self._publish({})
+
+
+_REGISTRY = _Registry()
+
+
+def register_patch_mapping(mapping: Mapping[str, type], overwrite: bool = False) -> None:
+    """Register class replacements that every later ``from_pretrained``/``from_config`` build applies.
+
+    Args:
+        mapping: ``{key: replacement_class}``. A key that is a Python identifier is an exact class name;
+            any other key is a regular expression matched with :func:`re.search` against class names.
+            Exact keys win over patterns; among patterns the first registered wins.
+        overwrite: replace keys that are already registered instead of raising.
+
+    Raises:
+        TypeError: a value is not a class or not an ``nn.Module`` subclass (names the key).
+        ValueError: a key is an invalid regular expression (names the key and the ``re`` error), or is
+            already registered and ``overwrite`` is false.
+
+    A call that raises leaves the registry exactly as it was.
+    """
+    _REGISTRY.register(mapping, overwrite)
+
+
+def unregister_patch_mapping(keys: Iterable[str]) -> None:
+    """Remove exactly ``keys`` (as written at registration) from the registry.
+
+    Raises:
+        ValueError: a key is not registered; nothing is removed then.
+    """
+    _REGISTRY.unregister(keys)
+
+
+def clear_patch_mapping() -> None:
+    """Remove every registered class replacement."""
+    _REGISTRY.clear()
+
+
+def get_patch_mapping() -> dict[str, type]:
+    """A copy of the registry: ``{key: replacement_class}`` in registration order."""
+    return _REGISTRY.snapshot().as_dict()
+
+
+def registered_patch_mapping() -> PatchMapping:
+    """The registry's current immutable snapshot."""
+    return _REGISTRY.snapshot()
+
+
+def set_strict_patching(enabled: bool = True) -> bool:
+    """Registry-wide strict mode: a registered key that replaces nothing during a build raises.
+
+    Returns the previous setting, so callers can restore it.
+    """
+    previous, _REGISTRY.strict = _REGISTRY.strict, bool(enabled)
+    return previous
+
+
+def is_strict_patching() -> bool:
+    """Whether registry-wide strict mode is on (see :func:`set_strict_patching`)."""
+    return _REGISTRY.strict

@@ -1,0 +1,224 @@
+"""Router math, one implementation per *kind* of router.
+
+Replay follows Megatron-LM's router replay / R3 (arXiv 2510.11370): the expert indices are forced, the
+routing weights are gathered from the *full* score distribution the live router computes (softmax or
+sigmoid, whatever the family does) and then normalised exactly as the family normalises them
+(``norm_topk_prob``, ``routed_scaling_factor``, softmax over the selected logits...). Selection-only terms
+(DeepSeek-style ``e_score_correction_bias``, group-limited routing) therefore never reach the weights.
+
+Kinds:
+
+``TOPK`` (:class:`TopKSelection`)
+    Every router whose expert choice is one ``torch.topk(scores, top_k, dim=-1)`` over a ``(tokens,
+    num_experts)`` score tensor. The family's own ``forward`` runs unchanged; a
+    :class:`torch.overrides.TorchFunctionMode` active only for the duration of that one router call swaps the
+    result of that single ``topk`` for ``(scores.gather(-1, forced), forced)``. Whatever the family computes
+    before the ``topk`` (softmax, sigmoid, bias for selection, group masking) and after it (renormalisation,
+    scaling, softmax over the selected values, gathering from the unbiased scores) is the family's own code,
+    so the weights are normalised exactly as that family does. Router logits keep their original meaning.
+
+``SPARSEMIXER`` (:class:`SparseMixerSelection`)
+    PhiMoE's sparsemixer (arXiv 2409.12136): two successive arg-max steps, each with a threshold mask relative
+    to the chosen score and a masked softmax. Replay re-runs the same equations with the chosen expert of each
+    step forced, so the threshold is taken relative to the forced expert's score (for natural indices this is
+    the original computation bit for bit; for forced ones the forced expert is never masked out, its weight is
+    > 0 and gradients reach the router).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["RouterKind", "TopKSelection", "SparseMixerSelection", "TOPK", "SPARSEMIXER", "FAMILY_KINDS",
+           "UNSUPPORTED_FAMILIES", "kind_for_family", "RouterContractError"]
+
+
+class RouterContractError(RuntimeError):
+    """A router did not behave as its kind expects (e.g. no, or several, routing top-k calls in one call)."""
+
+
+def _merge_forced(natural: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Rows of ``forced`` equal to -1 ("no route") take the natural choice of the live router."""
+    forced = forced.to(natural.device)
+    free = forced[..., :1] < 0
+    if not bool(free.any()):
+        return forced
+    return torch.where(free, natural, forced)
+
+
+class RouterKind:
+    """Strategy for one kind of router math.
+
+    ``call(site, forward, args, kwargs, forced, sink)`` runs one router call: ``forward`` is the router's
+    original bound forward; ``forced`` is ``None`` (record / plain) or a LongTensor ``(tokens, top_k)`` of
+    expert ids with ``-1`` rows meaning "route naturally"; ``sink`` receives the LongTensor ``(tokens, top_k)``
+    of the experts actually used. Returns the router's output with the family's own output contract.
+    """
+
+    name = "abstract"
+
+    def call(self, site, forward: Callable, args, kwargs, forced: torch.Tensor | None, sink: Callable) -> object:
+        raise NotImplementedError
+
+
+class _RoutingTopKMode(TorchFunctionMode):
+    def __init__(self, site, forced: torch.Tensor | None):
+        super().__init__()
+        self.num_experts = site.num_experts
+        self.top_k = site.top_k
+        self.forced = forced
+        self.indices: torch.Tensor | None = None
+        self.hits = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.topk or func is torch.Tensor.topk:
+            inp = args[0]
+            k = args[1] if len(args) > 1 else kwargs.get("k")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+            if (
+                k == self.top_k
+                and largest
+                and inp.dim() == 2
+                and inp.shape[-1] == self.num_experts
+                and dim in (-1, 1)
+            ):
+                self.hits += 1
+                out = func(*args, **kwargs)
+                if self.forced is None:
+                    self.indices = out[1]
+                    return out
+                if self.forced.shape != out[1].shape:
+                    raise RouterContractError(
+                        f"expected forced indices of shape {tuple(out[1].shape)} (tokens, top_k), "
+                        f"received {tuple(self.forced.shape)}"
+                    )
+                idx = _merge_forced(out[1], self.forced)
+                self.indices = idx
+                return torch.return_types.topk((inp.gather(-1, idx), idx))
+        return func(*args, **kwargs)
+
+
+class TopKSelection(RouterKind):
+    """Routers that choose experts with one ``torch.topk(scores, top_k, dim=-1)`` (see module docstring)."""
+
+    name = "topk"
+
+    def call(self, site, forward, args, kwargs, forced, sink):
+        mode = _RoutingTopKMode(site, forced)
+        with mode:
+            out = forward(*args, **kwargs)
+        if mode.hits != 1:
+            raise RouterContractError(
+                f"layer {site.layer_idx} ({type(site.module).__name__}): expected exactly one top-k over "
+                f"{site.num_experts} experts with k={site.top_k} in the router forward, saw {mode.hits}"
+            )
+        sink(mode.indices)
+        return out
+
+
+def _forced_sparsemixer(scores, forced, jitter_eps, training, multiplier_fn):
+    """PhiMoE's ``sparsemixer`` with the arg-max of each of its two steps replaced by ``forced[:, step]``.
+
+    Args:
+        scores: router logits ``(tokens, num_experts)``.
+        forced: LongTensor ``(tokens, 2)`` of expert ids (no ``-1`` left).
+    Returns:
+        ``(multiplier (tokens, 2), selected_experts (tokens, 2))`` as ``sparsemixer`` returns them.
+    """
+    multipliers = []
+    current = scores
+    for step in range(2):
+        selected = forced[:, step : step + 1]
+        with torch.no_grad():
+            threshold = current.gather(-1, selected)
+            factor = scores.abs().clamp(min=threshold)
+            mask = ((threshold - scores) / factor) > (2 * jitter_eps)
+        masked_gates = torch.softmax(current.masked_fill(mask, float("-inf")), dim=-1)
+        multiplier = masked_gates.gather(dim=-1, index=selected)
+        if training:
+            max_scores, max_ind = masked_gates.max(dim=-1, keepdim=True)
+            mask_for_one = torch.logical_or(selected == max_ind, torch.rand_like(max_scores) > 0.75)
+            mask_for_one = torch.add(0.3333, mask_for_one, alpha=0.6667).type_as(masked_gates)
+            multiplier = multiplier_fn(scores, multiplier, selected, masked_gates, mask_for_one)
+        multipliers.append(multiplier)
+        if step == 0:
+            current = torch.scatter(scores, -1, selected, float("-inf"))
+    return torch.cat(multipliers, dim=-1), forced
+
+
+class SparseMixerSelection(RouterKind):
+    """PhiMoE's sparsemixer router (top-2 by two masked arg-max steps; see module docstring)."""
+
+    name = "sparsemixer"
+
+    def call(self, site, forward, args, kwargs, forced, sink):
+        router = site.module
+        if forced is None:
+            out = forward(*args, **kwargs)
+            sink(out[2])
+            return out
+        if site.top_k != 2:
+            raise RouterContractError(f"layer {site.layer_idx}: sparsemixer routes top-2, router has top_k={site.top_k}")
+        modeling = sys.modules[type(router).__module__] if "modeling_" in type(router).__module__ else None
+        for cls in type(router).__mro__:  # FSDP2 wraps the class in a dynamic subclass
+            if "modeling_" in cls.__module__:
+                modeling = sys.modules[cls.__module__]
+                break
+        forced = forced.to(router.weight.device)
+        free = forced[:, :1] < 0
+        if bool(free.any()):
+            natural = forward(*args, **kwargs)[2]
+            forced = torch.where(free, natural, forced)
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        if router.training and router.input_jitter_noise > 0:
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - router.input_jitter_noise, 1.0 + router.input_jitter_noise
+            )
+        router_logits = torch.nn.functional.linear(hidden_states, router.weight, router.bias)
+        weights, selected = _forced_sparsemixer(
+            router_logits, forced, router.router_jitter_noise, router.training, modeling.PhimoeMultiplier.apply
+        )
+        sink(selected)
+        return router_logits, weights, selected
+
+
+TOPK = TopKSelection()
+SPARSEMIXER = SparseMixerSelection()
+
+#: Family (Transformers ``model_type`` of the modeling module defining the router class) -> router kind.
+#: Families not listed use ``TOPK``; the coverage test (tests/test_routing_coverage.py) checks every family of
+#: the installed Transformers against this and regenerates docs/routing_support.md.
+#: Comments give each router's math as read in Transformers 5.23.
+FAMILY_KINDS: dict[str, RouterKind] = {
+    # softmax over all experts -> topk -> optional renormalisation (norm_topk_prob)
+    "qwen2_moe": TOPK, "qwen3_moe": TOPK, "qwen3_next": TOPK, "olmoe": TOPK, "flex_olmo": TOPK,
+    "qwen3_vl_moe": TOPK, "qwen3_omni_moe": TOPK, "qwen3_5_moe": TOPK,
+    # softmax -> topk -> always renormalised
+    "mixtral": TOPK, "minimax": TOPK,
+    # softmax -> topk, weights left unnormalised
+    "jamba": TOPK,
+    # topk over raw logits -> softmax over the k selected logits
+    "granitemoe": TOPK, "granitemoeshared": TOPK, "granitemoehybrid": TOPK, "gpt_oss": TOPK,
+    # sigmoid; selection on sigmoid + e_score_correction_bias with group-limited masking; weights gathered from
+    # the unbiased sigmoid, optionally renormalised, times routed_scaling_factor
+    "deepseek_v3": TOPK, "glm4_moe": TOPK, "glm4v_moe": TOPK, "dots1": TOPK, "kimi_linear": TOPK,
+    # PhiMoE sparsemixer
+    "phimoe": SPARSEMIXER,
+}
+
+#: Families whose router is not a top-k router at all (reason shown in the support table).
+UNSUPPORTED_FAMILIES: dict[str, str] = {
+    "switch_transformers": "top-1 arg-max router with expert capacity (token dropping), no top-k",
+    "nllb_moe": "top-2 router with expert capacity and random second-expert policy, no top-k",
+}
+
+
+def kind_for_family(family: str) -> RouterKind:
+    """Router kind for a Transformers ``model_type`` (``TOPK`` unless listed in :data:`FAMILY_KINDS`)."""
+    return FAMILY_KINDS.get(family, TOPK)

@@ -1,0 +1,128 @@
+"""Discovery of the routers of a model instance.
+
+A *router site* is one router module of a loaded model together with what routing needs to know about it:
+the decoder layer it belongs to, its number of experts, its top-k and the *kind* of router math it uses
+(see :mod:`modelpatch.routing.kinds`).  Discovery only reads the module tree; it never mutates it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .kinds import RouterKind, kind_for_family
+
+__all__ = ["RouterSite", "find_router_sites", "RoutingDiscoveryError"]
+
+_EXPERT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk", "moe_k", "k")
+_LAYER_RE = re.compile(r"^(?P<stack>(?:.*\.)?[A-Za-z_]\w*)\.(?P<idx>\d+)(?:\.|$)")
+
+
+class RoutingDiscoveryError(RuntimeError):
+    """The model has no router that `modelpatch.routing` can drive, or its routers are ambiguous."""
+
+
+@dataclass(frozen=True)
+class RouterSite:
+    """One router of a model instance.
+
+    Attributes:
+        name: qualified module name inside the model (e.g. ``"model.layers.3.mlp.gate"``).
+        module: the router module itself.
+        layer_idx: index of the decoder layer holding the router (key of the routing trace).
+        num_experts: number of routed experts the router chooses from.
+        top_k: experts chosen per token.
+        family: Transformers ``model_type`` of the modeling module that defines the router class.
+        kind: the router-math kind that records and replays it.
+    """
+
+    name: str
+    module: nn.Module
+    layer_idx: int
+    num_experts: int
+    top_k: int
+    family: str
+    kind: RouterKind
+
+
+def _first_int_attr(module: nn.Module, names) -> int | None:
+    for n in names:
+        v = getattr(module, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _family_of(cls: type) -> str:
+    m = re.match(r"transformers\.models\.([\w]+)\.modeling_", cls.__module__)
+    return m.group(1) if m else cls.__module__
+
+
+def _is_router_class(cls: type) -> bool:
+    return cls.__name__.endswith("Router") and cls.__module__.startswith("transformers.models.")
+
+
+def find_router_sites(model: nn.Module) -> tuple[list[RouterSite], str, int]:
+    """Find every top-k router of ``model``.
+
+    Args:
+        model: any Transformers model instance (a bare ``nn.Module`` wrapper such as DDP is accepted too).
+
+    Returns:
+        ``(sites, stack_name, num_layers)``: the routers sorted by decoder layer index, the qualified name of
+        the ``nn.ModuleList`` of decoder layers holding them, and that list's length (all hidden layers).
+
+    Raises:
+        RoutingDiscoveryError: no router found, routers spread over several layer stacks, two routers in the
+            same decoder layer, or a router whose number of experts / top-k cannot be read.
+    """
+    sites: list[RouterSite] = []
+    stacks: set[str] = set()
+    for name, module in model.named_modules():
+        cls = type(module)
+        # FSDP2 swaps in a dynamic subclass: look through it to the Transformers class.
+        base = next((c for c in cls.__mro__ if _is_router_class(c)), None)
+        if base is None:
+            continue
+        m = _LAYER_RE.match(name)
+        if m is None:
+            raise RoutingDiscoveryError(f"router {name!r} ({base.__name__}) is not inside a numbered layer stack")
+        weight = getattr(module, "weight", None)
+        num_experts = _first_int_attr(module, _EXPERT_ATTRS)
+        if num_experts is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            num_experts = weight.shape[0]
+        top_k = _first_int_attr(module, _TOP_K_ATTRS)
+        if num_experts is None or top_k is None:
+            raise RoutingDiscoveryError(
+                f"router {name!r} ({base.__name__}): cannot read its number of experts and top-k "
+                f"(looked for {_EXPERT_ATTRS} and {_TOP_K_ATTRS})"
+            )
+        family = _family_of(base)
+        stacks.add(m.group("stack"))
+        sites.append(
+            RouterSite(name, module, int(m.group("idx")), num_experts, top_k, family, kind_for_family(family))
+        )
+    if not sites:
+        raise RoutingDiscoveryError(
+            f"{type(model).__name__} has no top-k router module (a Transformers class whose name ends in 'Router')"
+        )
+    if len(stacks) > 1:
+        raise RoutingDiscoveryError(f"routers found in several layer stacks {sorted(stacks)}; only one is supported")
+    sites.sort(key=lambda s: s.layer_idx)
+    for a, b in zip(sites, sites[1:]):
+        if a.layer_idx == b.layer_idx:
+            raise RoutingDiscoveryError(f"two routers in decoder layer {a.layer_idx}: {a.name!r} and {b.name!r}")
+    stack_name = stacks.pop()
+    stack = model.get_submodule(stack_name)
+    num_layers = len(stack) if isinstance(stack, (nn.ModuleList, nn.Sequential)) else sites[-1].layer_idx + 1
+    return sites, stack_name, num_layers
+
+
+def stack_owner(model: nn.Module, stack_name: str) -> nn.Module:
+    """The module owning the decoder-layer list (its forward sees input ids, attention mask, position ids)."""
+    parent = stack_name.rpartition(".")[0]
+    return model.get_submodule(parent) if parent else model

@@ -1,0 +1,378 @@
+"""`RoutingTrace`: the experts each token was routed to, per MoE layer and per sequence."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+__all__ = ["RoutingTrace", "RoutingTraceError", "compact_dtype"]
+
+_FORMAT = "modelpatch.routing_trace/1"
+
+
+class RoutingTraceError(ValueError):
+    """A routing trace, or an engine array, does not fit the model or is malformed."""
+
+
+def compact_dtype(num_experts: int) -> torch.dtype:
+    """Storage dtype for expert ids: ``uint8`` up to 256 experts, ``uint16`` up to 65536, else ``int32``."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 65536:
+        return torch.uint16
+    return torch.int32
+
+
+def _check_rows(idx: torch.Tensor, layer: int, seq: int, num_experts: int, top_k: int) -> torch.Tensor:
+    """Validate one ``(tokens, top_k)`` block of expert ids (``-1`` rows = no route) and return it as int64."""
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise RoutingTraceError(f"layer {layer}, sequence {seq}: expert ids must be integers, received {idx.dtype}")
+    if idx.dim() != 2 or idx.shape[1] != top_k:
+        raise RoutingTraceError(
+            f"layer {layer}, sequence {seq}: expected shape (num_tokens, {top_k}), received {tuple(idx.shape)}"
+        )
+    idx = idx.to(torch.int64)
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= num_experts:
+            raise RoutingTraceError(
+                f"layer {layer}, sequence {seq}: expected expert ids in [0, {num_experts}) or -1 (no route), "
+                f"received values in [{lo}, {hi}]"
+            )
+        free = idx < 0
+        mixed = free.any(dim=1) & ~free.all(dim=1)
+        if bool(mixed.any()):
+            row = int(mixed.nonzero()[0, 0])
+            raise RoutingTraceError(
+                f"layer {layer}, sequence {seq}, token {row}: a row is either all -1 (no route) or all expert "
+                f"ids, received {idx[row].tolist()}"
+            )
+        if top_k > 1:
+            s = idx.sort(dim=1).values
+            dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
+            if bool(dup.any()):
+                row = int(dup.nonzero()[0, 0])
+                raise RoutingTraceError(
+                    f"layer {layer}, sequence {seq}, token {row}: expert ids must be distinct, received "
+                    f"{idx[row].tolist()}"
+                )
+    return idx
+
+
+class _Block:
+    """Compact storage of one ``(tokens, top_k)`` block: ids in :func:`compact_dtype`, plus a row mask of
+    free (``-1``) rows kept only when some row is free."""
+
+    __slots__ = ("ids", "free")
+
+    def __init__(self, ids: torch.Tensor, free: torch.Tensor | None):
+        self.ids, self.free = ids, free
+
+    @classmethod
+    def encode(cls, idx: torch.Tensor, dtype: torch.dtype) -> "_Block":
+        free = idx[:, 0] < 0 if idx.numel() else None
+        if free is not None and not bool(free.any()):
+            free = None
+        ids = idx.clamp(min=0).to(dtype) if free is not None else idx.to(dtype)
+        return cls(ids, free)
+
+    def decode(self) -> torch.Tensor:
+        out = self.ids.to(torch.int64)
+        if self.free is not None:
+            out[self.free] = -1
+        return out
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.numel() * self.ids.element_size() + (self.free.numel() if self.free is not None else 0)
+
+
+class RoutingTrace:
+    """Expert indices each token was routed to, per MoE layer and per sequence.
+
+    ``trace[layer_idx]`` is a list with one ``torch.LongTensor`` of shape ``(num_tokens, top_k)`` per sequence,
+    ``layer_idx`` being the index of the decoder layer holding the router (dense layers have no entry).
+    A row of ``-1`` means "no route": replay lets the live router choose for that token (padding, the last
+    sampled token an engine never routed...). All layers hold the same number of sequences and, per sequence,
+    the same number of tokens.
+
+    Storage is compact: ids are kept as ``uint8`` when ``num_experts <= 256`` (``uint16`` up to 65536), plus
+    a one-byte-per-token mask only for blocks containing ``-1`` rows, so a 32k-token, 60-layer, top-8 trace
+    takes about 15 MiB (:attr:`nbytes`). Reading returns ``int64``.
+
+    Built by :func:`modelpatch.routing.record_routing`, from an inference engine's array with
+    :meth:`from_routed_experts` (vLLM ``CompletionOutput.routed_experts``), by :meth:`load`, or directly::
+
+        RoutingTrace({1: [torch.tensor([[0, 3], [2, 1]])]}, num_experts=8, top_k=2)
+
+    Args:
+        routes: ``{layer_idx: [LongTensor (num_tokens, top_k) per sequence]}`` (any integer dtype).
+        num_experts: experts per layer, an ``int`` for all layers or ``{layer_idx: int}``.
+        top_k: experts per token, an ``int`` or ``{layer_idx: int}``; defaults to the tensors' last dimension.
+        num_hidden_layers: total decoder layers of the model (dense ones included); needed by
+            :meth:`to_routed_experts` with ``layer_axis="all"``.
+
+    Raises:
+        RoutingTraceError: a block with the wrong shape, an id outside ``[0, num_experts)`` other than ``-1``,
+            a row mixing ``-1`` and ids, repeated ids in a row, or layers disagreeing on sequence lengths.
+            The message names the layer and sequence, the expected and the received shape or range.
+    """
+
+    def __init__(
+        self,
+        routes: Mapping[int, Sequence[torch.Tensor]] | None = None,
+        *,
+        num_experts: int | Mapping[int, int],
+        top_k: int | Mapping[int, int] | None = None,
+        num_hidden_layers: int | None = None,
+    ):
+        routes = dict(routes or {})
+        layers = sorted(int(k) for k in routes)
+        if isinstance(num_experts, Mapping):
+            self.num_experts = {int(k): int(v) for k, v in num_experts.items()}
+            layers = sorted(set(layers) | set(self.num_experts))
+        else:
+            self.num_experts = {layer: int(num_experts) for layer in layers}
+        if top_k is None:
+            top_k = {
+                int(k): (int(v[0].shape[-1]) if len(v) else 0) for k, v in routes.items()
+            }
+        if isinstance(top_k, Mapping):
+            self.top_k = {int(k): int(v) for k, v in top_k.items()}
+        else:
+            self.top_k = {layer: int(top_k) for layer in layers}
+        for layer in layers:
+            if layer not in self.num_experts or layer not in self.top_k:
+                raise RoutingTraceError(f"layer {layer}: num_experts and top_k must both be given")
+        self.num_hidden_layers = num_hidden_layers
+        self._blocks: dict[int, list[list[_Block]]] = {layer: [] for layer in layers}
+        for layer in layers:
+            for seq, idx in enumerate(routes.get(layer, [])):
+                self._append(layer, seq, torch.as_tensor(idx), validate=True)
+        self._check_lengths()
+
+    # -- construction helpers -------------------------------------------------------------------------------
+    def _append(self, layer: int, seq: int, idx: torch.Tensor, validate: bool) -> None:
+        if validate:
+            idx = _check_rows(idx, layer, seq, self.num_experts[layer], self.top_k[layer])
+        seqs = self._blocks[layer]
+        while len(seqs) <= seq:
+            seqs.append([])
+        seqs[seq].append(_Block.encode(idx, compact_dtype(self.num_experts[layer])))
+
+    def _check_lengths(self) -> None:
+        ref = None
+        for layer in self._blocks:
+            lengths = self._lengths(layer)
+            if ref is None:
+                ref = (layer, lengths)
+            elif lengths != ref[1]:
+                raise RoutingTraceError(
+                    f"layer {layer}: expected {len(ref[1])} sequences with token counts {ref[1]} (as layer "
+                    f"{ref[0]}), received {len(lengths)} sequences with token counts {lengths}"
+                )
+
+    def _lengths(self, layer: int) -> list[int]:
+        return [sum(b.rows for b in blocks) for blocks in self._blocks[layer]]
+
+    def _consolidate(self) -> None:
+        for seqs in self._blocks.values():
+            for i, blocks in enumerate(seqs):
+                if len(blocks) > 1 or (blocks and blocks[0].ids.device.type != "cpu"):
+                    idx = torch.cat([b.decode().cpu() for b in blocks]) if blocks else None
+                    seqs[i] = [_Block.encode(idx, blocks[0].ids.dtype)]
+
+    # -- reading --------------------------------------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Decoder-layer indices of the MoE layers, ascending."""
+        return tuple(sorted(self._blocks))
+
+    @property
+    def num_sequences(self) -> int:
+        return max((len(s) for s in self._blocks.values()), default=0)
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        """Number of tokens (rows) of each sequence."""
+        return self._lengths(self.layers[0]) if self._blocks else []
+
+    def __getitem__(self, layer_idx: int) -> list[torch.Tensor]:
+        """``[LongTensor (num_tokens, top_k) per sequence]`` of decoder layer ``layer_idx``."""
+        if layer_idx not in self._blocks:
+            raise KeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
+        self._consolidate()
+        return [
+            (blocks[0].decode() if blocks else torch.empty(0, self.top_k[layer_idx], dtype=torch.int64))
+            for blocks in self._blocks[layer_idx]
+        ]
+
+    def __contains__(self, layer_idx: object) -> bool:
+        return layer_idx in self._blocks
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self):
+        return self.layers
+
+    def items(self):
+        return [(layer, self[layer]) for layer in self.layers]
+
+    def sequence(self, seq: int) -> dict[int, torch.Tensor]:
+        """``{layer_idx: LongTensor (num_tokens, top_k)}`` of one sequence."""
+        return {layer: self[layer][seq] for layer in self.layers}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the compact storage."""
+        self._consolidate()
+        return sum(b.nbytes for seqs in self._blocks.values() for blocks in seqs for b in blocks)
+
+    def storage_dtype(self, layer_idx: int) -> torch.dtype:
+        return compact_dtype(self.num_experts[layer_idx])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RoutingTrace):
+            return NotImplemented
+        if (self.layers, self.num_experts, self.top_k) != (other.layers, other.num_experts, other.top_k):
+            return False
+        return all(
+            len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+            for a, b in ((self[layer], other[layer]) for layer in self.layers)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RoutingTrace(layers={list(self.layers)}, sequences={self.num_sequences}, "
+            f"tokens={self.sequence_lengths}, top_k={sorted(set(self.top_k.values()))}, "
+            f"num_experts={sorted(set(self.num_experts.values()))})"
+        )
+
+    # -- multi-turn -----------------------------------------------------------------------------------------
+    def extend(self, next_turn: "RoutingTrace", *, next_turn_offset: int | Sequence[int] = 0) -> "RoutingTrace":
+        """Stitch the next turn of a multi-turn conversation onto this one.
+
+        ``next_turn`` sequence *i* continues this trace's sequence *i*; its row 0 is the conversation's token
+        ``next_turn_offset`` (0 when the engine returned routes for the whole prompt, which then repeats this
+        turn; ``len`` of this turn's sequence when it holds only the new tokens). Where both turns route a
+        token, this (earlier) turn's route wins, since it is the one the tokens were generated with; its ``-1``
+        rows (e.g. the last sampled token, which an engine never routes) are filled from ``next_turn``.
+
+        Returns:
+            a new trace whose sequence *i* covers ``max(len_i, offset_i + next_len_i)`` tokens.
+
+        Raises:
+            RoutingTraceError: different layers, sequence count, or a gap between the two turns.
+        """
+        if next_turn.layers != self.layers or next_turn.num_sequences != self.num_sequences:
+            raise RoutingTraceError(
+                f"next turn: expected layers {list(self.layers)} with {self.num_sequences} sequences, received "
+                f"layers {list(next_turn.layers)} with {next_turn.num_sequences} sequences"
+            )
+        offsets = (
+            [int(next_turn_offset)] * self.num_sequences
+            if isinstance(next_turn_offset, int)
+            else [int(o) for o in next_turn_offset]
+        )
+        routes = {}
+        for layer in self.layers:
+            out = []
+            for seq, (a, b) in enumerate(zip(self[layer], next_turn[layer])):
+                off = offsets[seq]
+                if off > a.shape[0]:
+                    raise RoutingTraceError(
+                        f"layer {layer}, sequence {seq}: next turn starts at token {off}, expected at most "
+                        f"{a.shape[0]} (no gap between turns)"
+                    )
+                n = max(a.shape[0], off + b.shape[0])
+                merged = torch.full((n, a.shape[1]), -1, dtype=torch.int64)
+                merged[off : off + b.shape[0]] = b
+                keep = a[:, 0] >= 0
+                merged[: a.shape[0]][keep] = a[keep]
+                out.append(merged)
+            routes[layer] = out
+        return RoutingTrace(
+            routes, num_experts=self.num_experts, top_k=self.top_k, num_hidden_layers=self.num_hidden_layers
+        )
+
+    # -- engine arrays ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_routed_experts(cls, routed_experts, model, **kwargs) -> "RoutingTrace":
+        """Build a trace from inference-engine arrays ``(seq_len, num_layers, top_k)``.
+
+        See :func:`modelpatch.routing.engine.from_routed_experts` for the arguments; this is the same call.
+        """
+        from .engine import from_routed_experts
+
+        return from_routed_experts(routed_experts, model, **kwargs)
+
+    def to_routed_experts(self, sequence: int | None = None, **kwargs):
+        """Engine layout ``(seq_len, num_layers, top_k)``; see :func:`modelpatch.routing.engine.to_routed_experts`."""
+        from .engine import to_routed_experts
+
+        return to_routed_experts(self, sequence, **kwargs)
+
+    # -- files ----------------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the trace to a safetensors file (compact dtypes kept; metadata in the header).
+
+        Tensors are named ``layers.{layer}.seq.{i}`` (ids) and ``layers.{layer}.seq.{i}.free`` (uint8 mask of
+        ``-1`` rows, only where present).
+        """
+        from safetensors.torch import save_file
+
+        self._consolidate()
+        tensors = {}
+        for layer, seqs in self._blocks.items():
+            for i, blocks in enumerate(seqs):
+                block = blocks[0] if blocks else _Block.encode(
+                    torch.empty(0, self.top_k[layer], dtype=torch.int64), self.storage_dtype(layer)
+                )
+                tensors[f"layers.{layer}.seq.{i}"] = block.ids.contiguous()
+                if block.free is not None:
+                    tensors[f"layers.{layer}.seq.{i}.free"] = block.free.to(torch.uint8).contiguous()
+        meta = {
+            "format": _FORMAT,
+            "num_experts": json.dumps({str(k): v for k, v in self.num_experts.items()}),
+            "top_k": json.dumps({str(k): v for k, v in self.top_k.items()}),
+            "num_hidden_layers": json.dumps(self.num_hidden_layers),
+            "num_sequences": str(self.num_sequences),
+        }
+        save_file(tensors, os.fspath(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RoutingTrace":
+        """Read a trace written by :meth:`save`.
+
+        Raises:
+            RoutingTraceError: the file is not a modelpatch routing trace.
+        """
+        from safetensors import safe_open
+
+        with safe_open(os.fspath(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != _FORMAT:
+                raise RoutingTraceError(f"{path}: expected format {_FORMAT!r}, received {meta.get('format')!r}")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        num_experts = {int(k): v for k, v in json.loads(meta["num_experts"]).items()}
+        top_k = {int(k): v for k, v in json.loads(meta["top_k"]).items()}
+        trace = cls({}, num_experts=num_experts, top_k=top_k, num_hidden_layers=json.loads(meta["num_hidden_layers"]))
+        n = int(meta["num_sequences"])
+        for layer in trace._blocks:
+            for i in range(n):
+                ids = tensors[f"layers.{layer}.seq.{i}"]
+                free = tensors.get(f"layers.{layer}.seq.{i}.free")
+                trace._blocks[layer].append([_Block(ids, free.bool() if free is not None else None)])
+        trace._check_lengths()
+        return trace
