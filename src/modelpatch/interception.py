@@ -4,106 +4,102 @@
 for the whole process while a model is built; every other thread sees the patch, an exception leaks
 it, and the model's own ``isinstance(module, LlamaAttention)`` checks suddenly test for ``Custom``.
 
-modelpatch never rebinds anything. While at least one scope targets a class, that class gets a
-``__new__`` (the *hook*) that asks the caller's scopes (a :class:`contextvars.ContextVar`, so per
-thread and per asyncio task) whether it is replaced:
+modelpatch never rebinds a module attribute. While at least one scope targets a class, that class's
+``__init__`` is wrapped by a *hook* that asks the caller's scopes (a :class:`contextvars.ContextVar`,
+so per thread and per asyncio task) whether the class is replaced:
 
-* not replaced -> the class's own ``__new__`` runs, as if the hook were not there;
-* replaced by a subclass of the original -> an uninitialised replacement instance is returned and
-  Python's ``type.__call__`` runs the replacement's ``__init__`` with the original arguments;
-* replaced by an unrelated class -> ``replacement(*args, **kwargs)`` is built and returned as is
-  (``type.__call__`` skips ``__init__`` for an object that is not an instance of the original).
+* not replaced -> the original ``__init__`` runs, untouched;
+* replaced -> the freshly allocated instance becomes an instance of the replacement
+  (``__class__`` assignment; both are plain ``nn.Module`` subclasses) and the replacement's
+  ``__init__`` runs with the original arguments. A subclass replacement's ``super().__init__`` then
+  reaches the original ``__init__`` as usual; an unrelated replacement may even build the original
+  class it wraps (that inner construction is not intercepted again).
 
-Because the construction itself is intercepted, it does not matter how modeling code reaches the class
+Because construction itself is intercepted, it does not matter how modeling code reaches the class
 (module global, a module-level table such as GPT-Neo's ``GPT_NEO_ATTENTION_CLASSES``, an attribute).
-
-What stays behind: a class that some scope once targeted keeps its (inert) hook for the rest of the
-process. Outside every scope the hook only reads an empty context variable and allocates exactly as
-the class's own ``__new__`` would; module attributes, class identity, ``isinstance`` and
-``inspect.signature`` are unchanged. (Removing a ``__new__`` again is not possible in CPython without
-breaking the class: ``del cls.__new__`` leaves the type's ``tp_new`` slot pointing at the generic
-slot function, after which ``object.__new__`` rejects constructor arguments.)
+``copy``/``pickle`` never call ``__init__``, so they are never redirected. Hooks are reference
+counted; when the last scope that needs a hook exits, the class's ``__dict__`` is restored exactly
+(the original function object, or no ``__init__`` entry if the class had none).
 """
 
 from __future__ import annotations
 
-import copyreg
-import inspect
-import sys
+import functools
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 
-__all__ = ["install_hook", "hooked_classes", "original_new"]
+__all__ = ["install_hook", "uninstall_hook", "hooked_classes"]
 
-# (original class -> replacement) pairs whose replacement is being constructed in this context: the
-# replacement may build the original it wraps, which must then be the original.
+# Original classes whose replacement is being built in this context: a replacement may build the
+# original it wraps, which must then be the original.
 _BUILDING: ContextVar[frozenset] = ContextVar("modelpatch_building", default=frozenset())
 
+_MISSING = object()
 _lock = threading.Lock()
-_hooked: dict[type, None] = {}
-# ``copy``/``pickle`` allocate through ``cls.__new__(cls)`` from these functions: never a construction.
-_UNPICKLING_CODE = {copyreg.__newobj__.__code__, copyreg.__newobj_ex__.__code__}
+_hooks: dict[type, list] = {}  # target -> [refcount, original __init__ entry of target.__dict__ or _MISSING]
 
 Lookup = Callable[[type], "tuple[type, Callable[[object], None]] | None"]
 
 
-def _is_hook(candidate: object) -> bool:
-    func = getattr(candidate, "__func__", candidate)
-    return getattr(func, "_modelpatch_hook", False)
-
-
-def original_new(cls: type, args: tuple, kwargs: dict) -> object:
-    """Allocate ``cls`` with the first ``__new__`` in its MRO that is not a modelpatch hook."""
-    for klass in cls.__mro__:
-        new = vars(klass).get("__new__")
-        if new is None or _is_hook(new):
-            continue
-        if new is object.__new__:
-            return object.__new__(cls)
-        func = new.__func__ if isinstance(new, staticmethod) else new
-        return func(cls, *args, **kwargs)
-    return object.__new__(cls)
-
-
-def _make_hook(target: type, lookup: Lookup):
-    def __new__(cls, *args, **kwargs):
-        if cls is target and target not in _BUILDING.get() and sys._getframe(1).f_code not in _UNPICKLING_CODE:
+def _make_hook(target: type, lookup: Lookup, original_init):
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        if type(self) is target and target not in _BUILDING.get():
             found = lookup(target)
             if found is not None:
                 replacement, on_built = found
-                if issubclass(replacement, target):
-                    obj = original_new(replacement, args, kwargs)  # type.__call__ runs replacement.__init__
-                else:
-                    token = _BUILDING.set(_BUILDING.get() | {target})
-                    try:
-                        obj = replacement(*args, **kwargs)
-                    finally:
-                        _BUILDING.reset(token)
-                on_built(obj)
-                return obj
-        return original_new(cls, args, kwargs)
+                try:
+                    object.__setattr__(self, "__class__", replacement)
+                except TypeError as exc:
+                    raise TypeError(
+                        f"modelpatch cannot build {replacement.__qualname__} in place of {target.__qualname__}: "
+                        f"{exc} (a replacement must be a plain nn.Module subclass without __slots__)"
+                    ) from None
+                token = _BUILDING.set(_BUILDING.get() | {target})
+                try:
+                    replacement.__init__(self, *args, **kwargs)
+                finally:
+                    _BUILDING.reset(token)
+                on_built(self)
+                return
+        original_init(self, *args, **kwargs)
 
-    __new__._modelpatch_hook = True
-    __new__.__qualname__ = f"{target.__qualname__}.__new__"
-    try:  # keep inspect.signature(target) what it was: it prefers a class's own __new__ over __init__
-        __new__.__signature__ = inspect.signature(target.__init__)
-    except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
-        pass
-    return staticmethod(__new__)
+    __init__._modelpatch_hook = True
+    return __init__
 
 
 def install_hook(target: type, lookup: Lookup) -> None:
-    """Make ``target`` consult ``lookup`` on construction (idempotent; the hook stays, inert)."""
-    if target in _hooked:
-        return
+    """Make ``target`` consult ``lookup`` on construction (reference counted)."""
     with _lock:
-        if target in _hooked:
+        entry = _hooks.get(target)
+        if entry is not None:
+            entry[0] += 1
             return
-        type.__setattr__(target, "__new__", _make_hook(target, lookup))
-        _hooked[target] = None
+        own = vars(target).get("__init__", _MISSING)
+        hook = _make_hook(target, lookup, target.__init__)
+        type.__setattr__(target, "__init__", hook)
+        _hooks[target] = [1, own]
 
 
-def hooked_classes() -> list[type]:
-    """Classes that carry a hook (for tests and diagnostics)."""
-    return list(_hooked)
+def uninstall_hook(target: type) -> None:
+    """Drop one reference; the last one restores ``target.__dict__`` exactly."""
+    with _lock:
+        entry = _hooks.get(target)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] > 0:
+            return
+        del _hooks[target]
+        own = entry[1]
+        if own is _MISSING:
+            type.__delattr__(target, "__init__")
+        else:
+            type.__setattr__(target, "__init__", own)
+
+
+def hooked_classes() -> dict[type, int]:
+    """Classes that currently carry a hook, with the number of scopes that need it."""
+    with _lock:
+        return {cls: entry[0] for cls, entry in _hooks.items()}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from transformers.utils import logging
 
 from .catalog import CATALOG
-from .interception import install_hook
+from .interception import install_hook, uninstall_hook
 from .registry import PatchMapping, PatchRule, build_patch_mapping, registered_patch_mapping
 
 logger = logging.get_logger("modelpatch")
@@ -109,6 +109,7 @@ class PatchScope:
         self.models_built = 0  # PreTrainedModel constructions seen inside the scope
         self.closed = False
         self._entered = False
+        self._hooked: list[type] = []
 
     # -- resolution -------------------------------------------------------------------------------
     def _matches(self, classes) -> dict[type, PatchRule]:
@@ -128,6 +129,7 @@ class PatchScope:
         for cls, rule in self._matches(classes).items():
             if cls not in self.resolved:
                 install_hook(cls, _lookup)
+                self._hooked.append(cls)
                 self.resolved[cls] = rule
 
     def _recorder(self, original: type, rule: PatchRule):
@@ -165,6 +167,9 @@ class PatchScope:
         self.closed = True
         with _LIVE_LOCK:
             _LIVE.discard(self)
+            hooked, self._hooked = self._hooked, []
+            for cls in hooked:
+                uninstall_hook(cls)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         _ACTIVE.set(tuple(s for s in _ACTIVE.get() if s is not self))

@@ -145,6 +145,13 @@ class SplitModulelist(_tcml.SplitModulelist):
     def __repr__(self):
         return f"SplitModulelist(dim={self.dim})"
 
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        # Own storage per piece: safetensors refuses tensors sharing memory, and a per-module parameter should not
+        # keep the whole stacked tensor alive.
+        pieces = super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+        return {name: piece.clone() for name, piece in pieces.items()}
+
     @property
     def reverse_op(self) -> MergeModulelist:
         return MergeModulelist(self.dim)

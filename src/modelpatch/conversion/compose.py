@@ -1,0 +1,119 @@
+"""Which rules apply to a model: user rules per sub-model (class name before ``model_type``, scoped to the
+sub-model's prefix, like Transformers' ``get_model_conversion_mapping``) and the built-in rules they leave in place."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedModel
+
+from . import registry
+from .rules import pattern_regex
+
+__all__ = ["ResolvedRules", "resolve_model_rules", "compose_builtins", "drop_replaced_builtins"]
+
+
+@dataclass
+class ResolvedRules:
+    """User rules resolved for one model. ``rules`` are fresh instances with ``scope_prefix`` set for sub-models;
+    ``owner[id(rule)]`` is the registry name it came from; ``entries`` is ``(ruleset, scope_prefix, module)``."""
+
+    rules: list = field(default_factory=list)
+    owner: dict = field(default_factory=dict)
+    entries: list = field(default_factory=list)
+
+    @property
+    def strict(self) -> bool:
+        return any(ruleset.strict for ruleset, _, _ in self.entries)
+
+
+def _submodels(model):
+    for name, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            yield name, module
+
+
+def _scope_of(model, module_name: str) -> str | None:
+    if module_name == "":
+        return None
+    return module_name.removeprefix(model.base_model_prefix).removeprefix(".")
+
+
+def resolve_model_rules(model) -> ResolvedRules | None:
+    """User rules in effect for ``model`` and its sub-models, or ``None`` when there are none."""
+    if not registry.has_rules():
+        return None
+    resolved = ResolvedRules()
+    claimed: dict[str, list[str]] = {}
+    for module_name, sub in _submodels(model):
+        class_name, model_type = type(sub).__name__, getattr(sub.config, "model_type", None)
+        ruleset = None
+        for ident in (class_name, model_type):
+            found = registry.lookup(ident)
+            if found is not None:
+                ruleset = found
+                break
+        if ruleset is None or any(
+            seen == "" or module_name.startswith(seen + ".") for seen in claimed.get(ruleset.name, [])
+        ):
+            continue
+        claimed.setdefault(ruleset.name, []).append(module_name)
+        scope = _scope_of(model, module_name)
+        for rule in ruleset.fresh_rules():
+            if scope is not None:
+                rule.scope_prefix = scope
+                rule.base_model_prefix = model.base_model_prefix
+            resolved.rules.append(rule)
+            resolved.owner[id(rule)] = ruleset.name
+        resolved.entries.append((ruleset, scope, sub))
+    return resolved if resolved.entries else None
+
+
+def _texts(rule) -> list[str]:
+    patterns = list(rule._original_source_patterns) + list(rule._original_target_patterns)
+    return [p.removeprefix("^").replace(r"\.", ".") for p in patterns]
+
+
+def _search(pattern: str, text: str) -> bool:
+    try:
+        return re.search(pattern_regex(pattern), text) is not None
+    except re.error:
+        return pattern == text
+
+
+def overlaps(rule_a, rule_b) -> bool:
+    """Whether two rules touch the same parameters: a pattern of one matches (on module-path boundaries) a pattern of
+    the other, sources and targets alike."""
+    texts_a, texts_b = _texts(rule_a), _texts(rule_b)
+    return any(_search(p, q) or _search(q, p) for p in texts_a for q in texts_b)
+
+
+def drop_replaced_builtins(builtins: list, user_rules: list) -> list:
+    """The built-in rules that no user rule replaces."""
+    return [b for b in builtins if not any(overlaps(b, u) for u in user_rules)]
+
+
+def _signature(rule) -> tuple:
+    return (type(rule).__name__, tuple(rule._original_source_patterns), tuple(rule._original_target_patterns))
+
+
+def _builtin_signatures(sub) -> set:
+    rules = registry.builtin_rules(type(sub).__name__)
+    if rules is None:
+        rules = registry.builtin_rules(getattr(sub.config, "model_type", None)) or []
+    return {_signature(rule) for rule in rules}
+
+
+def compose_builtins(model, builtins: list, resolved: ResolvedRules) -> list:
+    """Filter the Transformers transforms computed for ``model`` (``get_model_conversion_mapping``): drop those of a
+    sub-model registered with ``overwrite=True`` and those replaced by a user rule of the same scope."""
+    kept = list(builtins)
+    for ruleset, scope, sub in resolved.entries:
+        mine = [r for r in resolved.rules if resolved.owner[id(r)] == ruleset.name and r.scope_prefix == scope]
+        if ruleset.overwrite:
+            signatures = _builtin_signatures(sub)
+            kept = [b for b in kept if not (b.scope_prefix == scope and _signature(b) in signatures)]
+        else:
+            kept = [b for b in kept if not (b.scope_prefix == scope and any(overlaps(b, u) for u in mine))]
+    return kept

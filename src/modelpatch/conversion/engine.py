@@ -1,0 +1,268 @@
+"""Key grouping and tensor conversion, lazy for loading and eager for saving.
+
+A *plan* maps checkpoint keys to rule groups: all keys feeding one converted parameter (e.g. ``q_proj``/``k_proj``/
+``v_proj`` of one layer, or every expert of one layer) form a group, keyed like Transformers does by the key renamed
+with the rule's first target pattern. Renamings chain first, then at most one converter (reverse order on save).
+
+* :meth:`Plan.dry_run` runs every group on ``meta`` tensors: output names and shapes are known before any byte is
+  read, so shape errors are raised before the model is touched.
+* :meth:`Plan.lazy_outputs` returns :class:`LazyConverted` placeholders that Transformers' loader materialises with
+  ``obj[...]`` (exactly as it does for safetensors slices), one group at a time, from its own worker threads.
+* :meth:`Plan.convert_all` converts eagerly (saving, offline conversion of in-memory tensors).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import core_model_loading as _tcml
+
+from .errors import ConversionError
+from .rules import match_rule
+
+__all__ = ["ConversionRow", "Plan", "build_plan", "LazyConverted", "shape_of", "load_tensor"]
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class ConversionRow:
+    """One application of a rule: which checkpoint keys it read and which keys it produced.
+
+    ``direction`` is ``"load"``, ``"save"`` or ``"offline"``; ``registered_as`` the registry name (``None`` for
+    rules passed directly).
+    """
+
+    direction: str
+    registered_as: str | None
+    rule: str
+    source_keys: tuple[str, ...]
+    target_keys: tuple[str, ...]
+
+
+def shape_of(obj) -> tuple[int, ...]:
+    """Shape of a tensor, a safetensors slice or a :class:`LazyConverted`, without reading data."""
+    if isinstance(obj, (torch.Tensor, LazyConverted)):
+        return tuple(obj.shape)
+    return tuple(obj.get_shape())
+
+
+def _dtype_of(obj) -> torch.dtype:
+    if isinstance(obj, (torch.Tensor, LazyConverted)):
+        return obj.dtype
+    return _ST_DTYPES.get(obj.get_dtype(), torch.float32)
+
+
+def load_tensor(obj) -> torch.Tensor:
+    """Materialise a tensor-like (tensor, safetensors slice, :class:`LazyConverted`, or zero-arg callable)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if callable(obj) and not hasattr(obj, "get_shape"):
+        return obj()
+    return obj[...]
+
+
+@dataclass
+class _Group:
+    key: str
+    rule: object
+    prefix: str
+    suffix: str
+    sources: dict = field(default_factory=lambda: defaultdict(list))
+
+    def source_keys(self) -> tuple[str, ...]:
+        return tuple(k for items in self.sources.values() for k, _ in items)
+
+
+def _run_group(group: _Group, collected: dict, reference_shapes) -> dict[str, torch.Tensor]:
+    rule = group.rule
+    if not isinstance(rule, _tcml.WeightConverter):
+        (tensors,) = collected.values()
+        return {group.key: tensors[0]}
+    tensors = collected
+    for op in rule.operations:
+        try:
+            tensors = op.convert(
+                tensors,
+                source_patterns=rule.source_patterns,
+                target_patterns=rule.target_patterns,
+                full_layer_name=group.key,
+                reference_shapes=reference_shapes,
+                model=None,
+                config=None,
+            )
+        except ConversionError:
+            raise
+        except Exception as exc:
+            raise ConversionError(f"{op!r} of {rule!r} failed on '{group.key}' (from {group.source_keys()}): {exc}") from exc
+    return {group.prefix + k + group.suffix: (v[0] if isinstance(v, list) else v) for k, v in tensors.items()}
+
+
+class _GroupRunner:
+    """Converts one group on first request and hands out its outputs one by one (thread-safe)."""
+
+    def __init__(self, group: _Group, reference_shapes):
+        self._group, self._refs = group, reference_shapes
+        self._lock = threading.Lock()
+        self._outputs: dict | None = None
+
+    def take(self, name: str) -> torch.Tensor:
+        with self._lock:
+            if self._outputs is None:
+                collected = {p: [load_tensor(o) for _, o in items] for p, items in self._group.sources.items()}
+                self._outputs = _run_group(self._group, collected, self._refs)
+                self._group.sources = None  # release the source tensors
+            return self._outputs.pop(name)
+
+
+class LazyConverted:
+    """Placeholder for a converted tensor; ``obj[...]`` converts its group (once) and returns the tensor.
+
+    Exposes ``shape``/``dtype`` (from the meta dry run) and ``get_shape()`` like a safetensors slice.
+    """
+
+    __slots__ = ("_runner", "name", "shape", "dtype")
+
+    def __init__(self, runner: _GroupRunner, name: str, shape, dtype):
+        self._runner, self.name, self.shape, self.dtype = runner, name, torch.Size(shape), dtype
+
+    def get_shape(self):
+        return list(self.shape)
+
+    def __getitem__(self, item):
+        tensor = self._runner.take(self.name)
+        return tensor if item is Ellipsis else tensor[item]
+
+    def __repr__(self):
+        return f"LazyConverted({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+@dataclass
+class Plan:
+    """Result of :func:`build_plan`. ``passthrough`` maps (possibly renamed) keys to untouched tensor-likes."""
+
+    groups: dict
+    passthrough: dict
+    renamed: list
+    fired: set
+    reverse: bool
+    renamings: list
+    produced: dict = field(default_factory=dict)
+
+    def _finish_name(self, name: str) -> str:
+        if not self.reverse:
+            return name
+        for rule in self.renamings:
+            match = match_rule(rule, name)
+            if match is not None:
+                name = match.renamed_key
+        return name
+
+    def dry_run(self, reference_shapes=None) -> dict[str, tuple[tuple[int, ...], torch.dtype, _Group]]:
+        """Run every group on meta tensors. Returns ``{output_name: (shape, dtype, group)}``.
+
+        Raises:
+            ConversionError: an operation cannot be applied, or two groups produce the same key.
+        """
+        out = {}
+        for group in self.groups.values():
+            collected = {
+                p: [torch.empty(shape_of(o), dtype=_dtype_of(o), device="meta") for _, o in items]
+                for p, items in group.sources.items()
+            }
+            for name, tensor in _run_group(group, collected, reference_shapes).items():
+                name = self._finish_name(name)
+                if name in out or name in self.passthrough:
+                    raise ConversionError(f"{group.rule!r} produces '{name}', which another key/rule also produces")
+                out[name] = (tuple(tensor.shape), tensor.dtype, group)
+        return out
+
+    def lazy_outputs(self, dry: dict, reference_shapes=None) -> dict[str, LazyConverted]:
+        """Lazy placeholders for every converted key (one shared runner per group)."""
+        runners = {id(g): _GroupRunner(g, reference_shapes) for g in self.groups.values()}
+        return {name: LazyConverted(runners[id(g)], name, shape, dtype) for name, (shape, dtype, g) in dry.items()}
+
+    def convert_all(self, reference_shapes=None, materialize_passthrough: bool = False) -> dict:
+        """Convert every group eagerly; returns ``{key: tensor}`` including the passthrough keys. Afterwards
+        ``self.produced`` maps each output key to ``(shape, dtype, group)`` like :meth:`dry_run`."""
+        result, self.produced = {}, {}
+        for group in self.groups.values():
+            collected = {p: [load_tensor(o) for _, o in items] for p, items in group.sources.items()}
+            for name, tensor in _run_group(group, collected, reference_shapes).items():
+                name = self._finish_name(name)
+                result[name] = tensor
+                self.produced[name] = (tuple(tensor.shape), tensor.dtype, group)
+        for name, obj in self.passthrough.items():
+            result[name] = load_tensor(obj) if materialize_passthrough else obj
+        return result
+
+    def rows(self, direction: str, owner: dict, dry: dict | None = None) -> list[ConversionRow]:
+        """Report rows: one per group and one per renamed key."""
+        produced = defaultdict(list)
+        for name, (_, _, group) in (dry or {}).items():
+            produced[id(group)].append(name)
+        rows = [
+            ConversionRow(direction, owner.get(id(g.rule)), repr(g.rule), g.source_keys(), tuple(produced[id(g)]))
+            for g in self.groups.values()
+        ]
+        rows += [ConversionRow(direction, owner.get(id(r)), repr(r), (s,), (t,)) for r, s, t in self.renamed]
+        return rows
+
+
+def build_plan(items, rules: list, reverse: bool = False) -> Plan:
+    """Group ``(key, tensor_like)`` pairs by rule.
+
+    Load order (``reverse=False``): every matching renaming in turn, then the first matching converter. Save order
+    (``reverse=True``, rules already reversed): the first matching converter, renamings applied to its outputs.
+
+    Raises:
+        ConversionError: a many-to-one group misses one of its sources, or the module lists of a group have
+            different lengths (e.g. an expert missing from the checkpoint).
+    """
+    renamings = [r for r in rules if not isinstance(r, _tcml.WeightConverter)]
+    converters = [r for r in rules if isinstance(r, _tcml.WeightConverter)]
+    groups, passthrough, renamed, fired = {}, {}, [], set()
+    for key, obj in sorted(items, key=lambda kv: _tcml.dot_natural_key(kv[0])):
+        new_key = key
+        if not reverse:
+            for rule in renamings:
+                match = match_rule(rule, new_key)
+                if match is not None:
+                    fired.add(id(rule))
+                    renamed.append((rule, new_key, match.renamed_key))
+                    new_key = match.renamed_key
+        for rule in converters:
+            match = match_rule(rule, new_key)
+            if match is not None:
+                fired.add(id(rule))
+                group = groups.setdefault(match.renamed_key, _Group(match.renamed_key, rule, match.prefix, match.suffix))
+                group.sources[match.source_pattern].append((key, obj))
+                break
+        else:
+            if reverse:
+                for rule in renamings:
+                    match = match_rule(rule, new_key)
+                    if match is not None:
+                        fired.add(id(rule))
+                        new_key = match.renamed_key
+            if new_key in passthrough:
+                raise ConversionError(f"Two checkpoint keys are renamed to '{new_key}'")
+            passthrough[new_key] = obj
+    for group in groups.values():
+        patterns = group.rule.source_patterns
+        missing = [p for p in patterns if p not in group.sources]
+        if missing:
+            raise ConversionError(
+                f"{group.rule!r}: '{group.key}' is missing source(s) {missing}; found only {list(group.source_keys())}"
+            )
+        lengths = {p: len(v) for p, v in group.sources.items()}
+        if len(set(lengths.values())) > 1:
+            raise ConversionError(f"{group.rule!r}: '{group.key}' has module lists of different lengths {lengths}")
+    return Plan(groups, passthrough, renamed, fired, reverse, renamings)

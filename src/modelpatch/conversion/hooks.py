@@ -1,0 +1,67 @@
+"""The one place where modelpatch wraps Transformers functions.
+
+Two module-level names of ``transformers.modeling_utils`` are replaced by thin wrappers, installed the first time a
+conversion rule is registered or a :func:`~modelpatch.conversion.registry.conversion_rules` block is entered:
+
+* ``convert_and_load_state_dict_in_model`` (called by ``from_pretrained`` with the lazily opened checkpoint): when
+  user rules resolve for the model, the checkpoint dict is converted lazily by :mod:`.loading` and the remaining
+  built-in rules are passed on to the original function, which still does all reading, dtype casting and placement;
+* ``revert_weight_conversion`` (called by ``save_pretrained`` unless ``save_original_format=False``): models loaded
+  or built with user rules are written back in the original layout by :mod:`.saving`.
+
+With no user rule in effect and a model that was not converted, both wrappers call the original with the same
+arguments (inert). :func:`uninstall` restores the originals.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from transformers import modeling_utils as _mu
+
+__all__ = ["install", "uninstall", "installed"]
+
+_lock = threading.Lock()
+_originals: dict = {}
+
+
+def _load(model, state_dict, load_config, disk_offload_index=None):
+    from .compose import resolve_model_rules
+    from .loading import convert_and_load
+
+    original = _originals["convert_and_load_state_dict_in_model"]
+    resolved = resolve_model_rules(model)
+    if resolved is None:
+        return original(model, state_dict, load_config, disk_offload_index)
+    return convert_and_load(model, state_dict, load_config, disk_offload_index, resolved, original)
+
+
+def _revert(model, state_dict):
+    from .saving import revert_to_original_layout
+
+    return revert_to_original_layout(model, state_dict, _originals["revert_weight_conversion"])
+
+
+_WRAPPERS = {"convert_and_load_state_dict_in_model": _load, "revert_weight_conversion": _revert}
+
+
+def install() -> None:
+    """Install the wrappers (idempotent, thread-safe)."""
+    with _lock:
+        for name, wrapper in _WRAPPERS.items():
+            current = getattr(_mu, name)
+            if current is not wrapper:
+                _originals[name] = current
+                setattr(_mu, name, wrapper)
+
+
+def uninstall() -> None:
+    """Restore Transformers' functions (only those still wrapped by us)."""
+    with _lock:
+        for name, wrapper in _WRAPPERS.items():
+            if getattr(_mu, name) is wrapper and name in _originals:
+                setattr(_mu, name, _originals.pop(name))
+
+
+def installed() -> bool:
+    return all(getattr(_mu, name) is wrapper for name, wrapper in _WRAPPERS.items())

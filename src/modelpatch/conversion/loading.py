@@ -1,0 +1,87 @@
+"""Loading with user rules: plan, validate (before anything is loaded), then hand a lazily converted checkpoint to
+Transformers' own loader (``from_pretrained``), or copy it into an existing model (:func:`load_converted_state_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers.utils import logging
+
+from .compose import ResolvedRules, compose_builtins
+from .engine import Plan, build_plan, shape_of
+from .errors import ConversionError, ConversionShapeError
+from .reference import state_shapes
+from .state import ConversionState, set_state
+
+__all__ = ["prepare", "convert_and_load"]
+
+logger = logging.get_logger("modelpatch.conversion")
+
+
+def model_key(name: str, model_keys, base_model_prefix: str) -> str | None:
+    """``name`` as a key of the model, adding or removing ``base_model_prefix`` like Transformers does."""
+    if name in model_keys:
+        return name
+    prefix = f"{base_model_prefix}." if base_model_prefix else None
+    if prefix and name.startswith(prefix) and name[len(prefix):] in model_keys:
+        return name[len(prefix):]
+    if prefix and prefix + name in model_keys:
+        return prefix + name
+    return None
+
+
+def _check_unmatched(plan: Plan, resolved: ResolvedRules) -> None:
+    for rule in resolved.rules:
+        if id(rule) in plan.fired:
+            continue
+        name = resolved.owner.get(id(rule))
+        scope = f" under '{rule.scope_prefix}'" if rule.scope_prefix else ""
+        message = f"Conversion rule {rule!r} (registered as '{name}'){scope} matched no checkpoint key"
+        if resolved.strict:
+            raise ConversionError(message + " (strict)")
+        logger.warning(message)
+
+
+def prepare(model, items, resolved: ResolvedRules):
+    """Plan the conversion of ``items`` (``(key, tensor_like)``) for ``model`` and validate it on meta tensors.
+
+    Returns ``(plan, dry, state)`` where ``dry`` maps each converted key to ``(shape, dtype, group)``.
+
+    Raises:
+        ConversionShapeError: a converted tensor does not fit its parameter (key and both shapes named).
+        ConversionError: a converted key is not a parameter of the model, a strict rule matched nothing, or an
+            operation cannot be applied. Nothing has been loaded when these are raised.
+    """
+    model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    plan = build_plan(items, resolved.rules)
+    _check_unmatched(plan, resolved)
+    references = state_shapes(model_shapes.items(), model.base_model_prefix)
+    dry = plan.dry_run(references)
+    for name, (shape, _, group) in dry.items():
+        key = model_key(name, model_shapes, model.base_model_prefix)
+        if key is None:
+            raise ConversionError(
+                f"{group.rule!r} produced '{name}' (from {list(group.source_keys())}), which is not a parameter of "
+                f"{type(model).__name__}. Nothing was loaded."
+            )
+        if tuple(shape) != model_shapes[key]:
+            raise ConversionShapeError(key, shape, model_shapes[key], repr(group.rule))
+    recorded = {k: shape_of(o) for g in plan.groups.values() for items_ in g.sources.values() for k, o in items_}
+    state = ConversionState(resolved.rules, resolved.owner, recorded, plan.rows("load", resolved.owner, dry))
+    return plan, dry, state
+
+
+def convert_and_load(model, state_dict, load_config, disk_offload_index, resolved: ResolvedRules, original):
+    """``convert_and_load_state_dict_in_model`` with user rules (see :mod:`.hooks`): ``state_dict`` holds the lazily
+    opened checkpoint (safetensors slices or tensors); converted keys are replaced by :class:`LazyConverted`
+    placeholders and ``original`` does the loading, with the built-in rules the user rules do not replace."""
+    if load_config.hf_quantizer is not None:
+        raise ConversionError("modelpatch conversion rules cannot be combined with quantization yet")
+    plan, dry, state = prepare(model, state_dict.items(), resolved)
+    converted = dict(plan.passthrough)
+    converted.update(plan.lazy_outputs(dry))
+    builtins = compose_builtins(model, list(load_config.weight_mapping or []), resolved)
+    result = original(model, converted, dataclasses.replace(load_config, weight_mapping=builtins), disk_offload_index)
+    set_state(model, state)
+    return result

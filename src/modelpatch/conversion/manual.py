@@ -1,0 +1,82 @@
+"""Loading a checkpoint or state dict into an existing patched model outside ``from_pretrained``."""
+
+from __future__ import annotations
+
+import torch
+
+from .compose import ResolvedRules, resolve_model_rules
+from .engine import ConversionRow, load_tensor, shape_of
+from .errors import ConversionError, ConversionShapeError
+from .io import open_checkpoint
+from .loading import model_key, prepare
+from .rules import as_modelpatch_rule
+from .state import get_state, set_state
+
+__all__ = ["load_converted_state_dict"]
+
+
+def _resolve(model, rules) -> ResolvedRules:
+    if rules is not None:
+        resolved = ResolvedRules()
+        for rule in rules:
+            rule = as_modelpatch_rule(rule)
+            resolved.rules.append(rule)
+            resolved.owner[id(rule)] = None
+        return resolved
+    state = get_state(model)
+    if state is not None:
+        return ResolvedRules(list(state.rules), dict(state.owner))
+    return resolve_model_rules(model) or ResolvedRules()
+
+
+def load_converted_state_dict(model, state_dict_or_path, *, rules=None, strict: bool = True) -> list[ConversionRow]:
+    """Convert a checkpoint or state dict with the model's conversion rules and copy it into ``model`` in place
+    (Trainer resume, manual ``load_state_dict``), so no path silently skips conversion.
+
+    Args:
+        model: a (patched) ``PreTrainedModel`` with materialised parameters.
+        state_dict_or_path: ``{key: Tensor}`` in checkpoint layout, a ``.safetensors`` file, or a folder with
+            ``model.safetensors`` / ``model.safetensors.index.json`` (read lazily, tensor by tensor).
+        rules: rules to apply; default: the rules the model was loaded with, else the rules registered for it.
+        strict: raise if a model parameter is not provided or a key is left over.
+
+    Returns:
+        The report rows (also available from :func:`conversion_report`).
+
+    Raises:
+        ConversionShapeError: a (converted) tensor does not fit its parameter.
+        ConversionError: missing/unexpected keys (``strict``), a rule that cannot be applied.
+        Everything is checked before the first parameter is written: on error the model is unchanged.
+    """
+    resolved = _resolve(model, rules)
+    base_prefix = model.base_model_prefix
+    with open_checkpoint(state_dict_or_path) as items:
+        plan, dry, state = prepare(model, items.items(), resolved)
+        converted = dict(plan.passthrough)
+        converted.update(plan.lazy_outputs(dry))
+        model_state = model.state_dict()
+        targets, unexpected = {}, []
+        for name, obj in converted.items():
+            key = model_key(name, model_state, base_prefix)
+            if key is None:
+                unexpected.append(name)
+                continue
+            if tuple(shape_of(obj)) != tuple(model_state[key].shape):
+                raise ConversionShapeError(key, shape_of(obj), model_state[key].shape, "no rule (unconverted key)")
+            targets[key] = obj
+        loaded_ptrs = {model_state[k].data_ptr() for k in targets}
+        missing = [k for k in model_state if k not in targets and model_state[k].data_ptr() not in loaded_ptrs]
+        if strict and (missing or unexpected):
+            raise ConversionError(
+                f"Cannot load into {type(model).__name__}: missing keys {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+                f"{' ...' if len(unexpected) > 10 else ''}. The model was not modified."
+            )
+        with torch.no_grad():
+            for key, obj in targets.items():
+                model_state[key].copy_(load_tensor(obj))
+    previous = get_state(model)
+    if previous is not None and rules is None:
+        state.recorded_shapes = {**previous.recorded_shapes, **state.recorded_shapes}
+    set_state(model, state)
+    return list(state.load_rows)

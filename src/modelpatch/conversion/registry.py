@@ -1,0 +1,173 @@
+"""Registry of user conversion rules, keyed by ``model_type`` or class name, global or scoped.
+
+Global entries live in a process-wide dict guarded by a lock; scoped entries (:func:`conversion_rules`) live in a
+``ContextVar`` stack and vanish when the block exits, also on error. Transformers' own rule table is never mutated
+(in Transformers a user override of ``qwen2_moe`` survived ``clear_patch_mapping()`` and broke every later vanilla
+load); built-in rules are read from it and composed at load/save time (see :mod:`.compose`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from copy import deepcopy
+from dataclasses import dataclass
+
+from transformers import conversion_mapping as _tcm
+
+from .rules import as_modelpatch_rule
+
+__all__ = [
+    "RuleSet",
+    "register_checkpoint_conversion_mapping",
+    "get_checkpoint_conversion_mapping",
+    "unregister_checkpoint_conversion_mapping",
+    "conversion_rules",
+    "lookup",
+    "has_rules",
+]
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """Rules registered under one ``model_type`` or class name.
+
+    ``overwrite=True`` drops every built-in Transformers rule of that name; otherwise a user rule replaces only the
+    built-in rules touching the same parameters and the others keep working. ``strict=True`` turns the warning for a
+    rule that matched no checkpoint key into an error.
+    """
+
+    name: str
+    rules: tuple
+    overwrite: bool = False
+    strict: bool = False
+
+    def fresh_rules(self) -> list:
+        return [deepcopy(rule) for rule in self.rules]
+
+
+_lock = threading.RLock()
+_global: dict[str, RuleSet] = {}
+_scoped: ContextVar[tuple[Mapping[str, RuleSet], ...]] = ContextVar("modelpatch_conversion_scopes", default=())
+
+
+def _make_ruleset(name, mapping, overwrite, strict) -> RuleSet:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"model_type_or_class_name must be a non-empty str, got {name!r}")
+    if isinstance(mapping, (str, bytes)) or not isinstance(mapping, Sequence):
+        raise TypeError(f"mapping for '{name}' must be a list of WeightConverter/WeightRenaming, got {mapping!r}")
+    return RuleSet(name, tuple(as_modelpatch_rule(rule) for rule in mapping), bool(overwrite), bool(strict))
+
+
+def register_checkpoint_conversion_mapping(
+    model_type_or_class_name: str, mapping: Sequence, overwrite: bool = False, *, strict: bool = False
+) -> None:
+    """Register conversion rules for a ``model_type`` (e.g. ``"qwen2_moe"``) or a class name (e.g.
+    ``"LlamaForCausalLM"``; class names win over ``model_type``).
+
+    Args:
+        model_type_or_class_name: key the rules are looked up by, for the root model and for each sub-model
+            (whose rules then only apply under its own prefix).
+        mapping: list of :class:`WeightConverter` / :class:`WeightRenaming` (Transformers' classes are accepted and
+            rebuilt as modelpatch rules).
+        overwrite: replace an earlier user registration of the same name and drop all built-in rules of that name.
+            Without it, the rules are composed with the built-ins (a user rule replaces the built-in rules touching
+            the same parameters).
+        strict: a rule that matches no checkpoint key raises at load time instead of logging a warning.
+
+    Raises:
+        ValueError: the name is already registered by the user and ``overwrite`` is false (registry unchanged).
+        TypeError: bad name or rule type (registry unchanged).
+    """
+    ruleset = _make_ruleset(model_type_or_class_name, mapping, overwrite, strict)
+    from . import hooks
+
+    with _lock:
+        if model_type_or_class_name in _global and not overwrite:
+            raise ValueError(
+                f"Conversion mapping for '{model_type_or_class_name}' is already registered; pass overwrite=True "
+                "to replace it or unregister it first."
+            )
+        _global[model_type_or_class_name] = ruleset
+    hooks.install()
+
+
+def unregister_checkpoint_conversion_mapping(model_type_or_class_name: str) -> None:
+    """Remove the user rules registered globally under a name; the built-in rules of that name apply again.
+
+    Raises:
+        KeyError: nothing is registered under that name (registry unchanged).
+    """
+    with _lock:
+        if model_type_or_class_name not in _global:
+            raise KeyError(f"No conversion mapping registered for '{model_type_or_class_name}'")
+        del _global[model_type_or_class_name]
+
+
+def clear_checkpoint_conversion_mappings() -> None:
+    """Remove every globally registered user rule (scoped blocks clean up themselves)."""
+    with _lock:
+        _global.clear()
+
+
+def lookup(name: str | None) -> RuleSet | None:
+    """The user :class:`RuleSet` in effect for ``name``: innermost scoped block first, then the global registry."""
+    if not name:
+        return None
+    for scope in reversed(_scoped.get()):
+        if name in scope:
+            return scope[name]
+    with _lock:
+        return _global.get(name)
+
+
+def has_rules() -> bool:
+    """Whether any user rule is in effect in the current context."""
+    return bool(_scoped.get()) or bool(_global)
+
+
+def builtin_rules(name: str | None) -> list | None:
+    """Transformers' built-in rules for ``name`` (a fresh copy), or ``None``."""
+    if not name:
+        return None
+    return _tcm.get_checkpoint_conversion_mapping(name)
+
+
+def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list | None:
+    """The effective rules for a name: the user's rules followed by the built-in rules they do not replace
+    (only the user's with ``overwrite=True``), or the built-ins alone, or ``None``. Returns fresh copies."""
+    from .compose import drop_replaced_builtins
+
+    user = lookup(model_type_or_class_name)
+    builtins = builtin_rules(model_type_or_class_name)
+    if user is None:
+        return builtins
+    rules = user.fresh_rules()
+    if builtins and not user.overwrite:
+        rules += drop_replaced_builtins(builtins, rules)
+    return rules
+
+
+@contextmanager
+def conversion_rules(
+    mapping: Mapping[str, Sequence], *, overwrite: bool = False, strict: bool = False
+) -> Iterator[None]:
+    """Scoped form of :func:`register_checkpoint_conversion_mapping`: ``{name: [rules...]}`` apply to loads and saves
+    inside the block (current thread/async context only) and are gone after it, also on error. Inner blocks shadow
+    outer ones and global registrations of the same name. A model loaded inside the block keeps its rules, so saving
+    it after the block still writes the original layout.
+
+    Raises:
+        TypeError: bad name or rule (nothing is entered).
+    """
+    scope = {name: _make_ruleset(name, rules, overwrite, strict) for name, rules in mapping.items()}
+    from . import hooks
+
+    hooks.install()
+    token = _scoped.set(_scoped.get() + (scope,))
+    try:
+        yield
+    finally:
+        _scoped.reset(token)

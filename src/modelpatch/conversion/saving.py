@@ -1,0 +1,54 @@
+"""Saving in the original layout: reverse the built-in rules (Transformers), then the user rules (modelpatch)."""
+
+from __future__ import annotations
+
+from transformers import conversion_mapping as _tcm
+from transformers import core_model_loading as _tcml
+
+from .compose import compose_builtins, resolve_model_rules
+from .engine import build_plan
+from .reference import ReferenceShapes
+from .state import ConversionState, get_state
+
+__all__ = ["revert_to_original_layout", "reverse_state_dict"]
+
+
+def reverse_state_dict(model, state_dict: dict, state: ConversionState) -> dict:
+    """Apply the inverse of ``state.rules`` to a ``{model key: tensor}`` dict; returns the checkpoint-layout dict.
+
+    Split sizes come from the shapes recorded at load, else from the vanilla model (see :mod:`.reference`).
+
+    Raises:
+        ConversionError: a fused tensor cannot be split back unambiguously, or a group is incomplete.
+    """
+    reversed_rules, owner = [], {}
+    for rule in state.rules[::-1]:
+        reverse = rule.reverse_transform()
+        reversed_rules.append(reverse)
+        owner[id(reverse)] = state.owner.get(id(rule))
+    plan = build_plan(state_dict.items(), reversed_rules, reverse=True)
+    result = plan.convert_all(ReferenceShapes(state.recorded_shapes, model))
+    state.save_rows = plan.rows("save", owner, plan.produced)
+    return result
+
+
+def revert_to_original_layout(model, state_dict: dict, original) -> dict:
+    """Wrapper body of ``revert_weight_conversion`` (see :mod:`.hooks`)."""
+    state = get_state(model)
+    restore = False
+    if state is None:
+        resolved = resolve_model_rules(model)
+        if resolved is None:
+            return original(model, state_dict)
+        state = ConversionState(resolved.rules, resolved.owner)
+        if getattr(model, "_weight_conversions", None) is None:
+            builtins = _tcm.get_model_conversion_mapping(model, add_legacy=False)
+            builtins = [b for b in builtins if not isinstance(b, _tcml.PrefixChange)]
+            model._weight_conversions = compose_builtins(model, builtins, resolved)
+            restore = True
+    try:
+        state_dict = original(model, state_dict)
+    finally:
+        if restore:
+            model._weight_conversions = None
+    return reverse_state_dict(model, state_dict, state)
