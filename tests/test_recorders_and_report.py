@@ -1,0 +1,205 @@
+"""Output recorders follow replacements per instance; patch_report and its warnings."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import BertModel, LlamaForCausalLM, LlamaModel, Qwen2MoeModel
+from transformers.models.bert import modeling_bert
+from transformers.models.llama import modeling_llama
+from transformers.models.qwen2_moe import modeling_qwen2_moe
+from transformers.utils.output_capturing import OutputRecorder
+
+from helpers import INPUT_IDS, save_tiny, tiny_bert_config, tiny_llama_config, tiny_qwen2_moe_config
+from modelpatch import (
+    UnmatchedPatchKeyError,
+    apply_patches,
+    patch_report,
+    register_output_recorder,
+    register_patch_mapping,
+    set_strict_patching,
+)
+
+
+class SubclassAttention(modeling_llama.LlamaAttention):
+    pass
+
+
+class StandaloneAttention(nn.Module):
+    """Not a subclass: same parameters and math as LlamaAttention, computed by a private copy."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.impl = modeling_llama.LlamaAttention(config, layer_idx)
+
+    def forward(self, *args, **kwargs):
+        return self.impl(*args, **kwargs)
+
+
+class StandaloneDecoderLayer(nn.Module):
+    """Not a subclass, does not wrap the original: a from-scratch layer (identity with a Linear)."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states + self.proj(hidden_states)
+
+
+class StandaloneRouter(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
+        logits = nn.functional.linear(hidden_states, self.weight)
+        probs = logits.softmax(-1)
+        values, indices = probs.topk(self.top_k, dim=-1)
+        return logits, values, indices
+
+
+def eager(config):
+    config._attn_implementation = "eager"
+    return config
+
+
+@pytest.mark.parametrize("replacement", [SubclassAttention, StandaloneAttention])
+def test_attentions_captured_for_replacements(replacement):
+    with apply_patches({"LlamaAttention": replacement}):
+        model = LlamaModel(eager(tiny_llama_config()))
+    out = model(INPUT_IDS, output_attentions=True)
+    assert len(out.attentions) == 2
+    assert out.attentions[0].shape == (1, 4, INPUT_IDS.shape[1], INPUT_IDS.shape[1])
+
+
+def test_hidden_states_captured_for_non_subclass_layer():
+    with apply_patches({"LlamaDecoderLayer": StandaloneDecoderLayer}):
+        model = LlamaModel(tiny_llama_config())
+    out = model(INPUT_IDS, output_hidden_states=True)
+    assert len(out.hidden_states) == 3  # embeddings + one per layer
+    # later unpatched model of the same class: unaffected, one entry per layer, no extra recorder
+    vanilla = LlamaModel(tiny_llama_config())
+    assert len(vanilla(INPUT_IDS, output_hidden_states=True).hidden_states) == 3
+
+
+def test_router_logits_captured_for_non_subclass_router():
+    with apply_patches({"Qwen2MoeTopKRouter": StandaloneRouter}):
+        model = Qwen2MoeModel(tiny_qwen2_moe_config())
+    out = model(INPUT_IDS, output_router_logits=True)
+    assert len(out.router_logits) == 2
+    assert torch.equal(out.router_logits[0], torch.zeros(INPUT_IDS.shape[1], 4))  # zero weights -> zero logits
+
+
+def test_class_attribute_never_mutated():
+    before = dict(modeling_qwen2_moe.Qwen2MoeModel._can_record_outputs)
+    with apply_patches({"Qwen2MoeTopKRouter": StandaloneRouter}):
+        Qwen2MoeModel(tiny_qwen2_moe_config())
+    assert modeling_qwen2_moe.Qwen2MoeModel._can_record_outputs == before
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        modeling_llama.LlamaAttention,
+        OutputRecorder(modeling_llama.LlamaAttention, index=1),
+        [OutputRecorder(modeling_llama.LlamaAttention, index=1)],
+    ],
+    ids=["class", "OutputRecorder", "list"],
+)
+def test_every_recorder_spec_form_follows_replacement(spec, monkeypatch):
+    monkeypatch.setattr(modeling_llama.LlamaModel, "_can_record_outputs", {
+        "hidden_states": modeling_llama.LlamaDecoderLayer, "attentions": spec,
+    })
+    with apply_patches({"LlamaAttention": StandaloneAttention}):
+        model = LlamaModel(eager(tiny_llama_config()))
+    # StandaloneAttention wraps the original, so the inner original is captured exactly once per layer
+    assert len(model(INPUT_IDS, output_attentions=True).attentions) == 2
+
+
+def test_register_output_recorder_survives_other_builds():
+    model = Qwen2MoeModel(tiny_qwen2_moe_config())
+    register_output_recorder(model, "selected_experts", OutputRecorder(modeling_qwen2_moe.Qwen2MoeTopKRouter, index=2))
+    Qwen2MoeModel(tiny_qwen2_moe_config())  # building another model resets Transformers' per-class entry
+    seen = []
+    model.layers[1].mlp.gate.register_forward_hook(lambda module, args, output: seen.append(output[2]))
+    out = model(INPUT_IDS, output_selected_experts=True)
+    assert len(out.selected_experts) == 2
+    assert out.selected_experts[0].shape == (INPUT_IDS.shape[1], 2)
+    assert torch.equal(out.selected_experts[1], seen[0])
+
+
+def test_register_output_recorder_errors():
+    model = Qwen2MoeModel(tiny_qwen2_moe_config())
+    with pytest.raises(ValueError, match="identifier"):
+        register_output_recorder(model, "not valid", modeling_qwen2_moe.Qwen2MoeTopKRouter)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        register_output_recorder(nn.Linear(1, 1), "x", modeling_qwen2_moe.Qwen2MoeTopKRouter)
+    with pytest.raises(TypeError, match="OutputRecorder"):
+        register_output_recorder(model, "x", "not a class")
+
+
+def test_report_rows_and_unmatched_warning(tmp_path, caplog):
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    register_patch_mapping({"LlamaAttention": SubclassAttention, "NoSuchClass": StandaloneAttention})
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        model = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert "'NoSuchClass'" in caplog.text
+    report = patch_report(model)
+    assert [(r.path, r.original, r.replacement, r.key) for r in report.rows] == [
+        (f"model.layers.{i}.self_attn", modeling_llama.LlamaAttention, SubclassAttention, "LlamaAttention")
+        for i in range(2)
+    ]
+    assert report.unmatched_keys == ["NoSuchClass"]
+    assert "model.layers.0.self_attn" in str(report)
+    assert patch_report(LlamaModel(tiny_llama_config())).rows == []
+
+
+def test_strict_block_and_registry_wide_strict(tmp_path):
+    with pytest.raises(UnmatchedPatchKeyError, match="NoSuchClass"):
+        with apply_patches({"LlamaAttention": SubclassAttention, "NoSuchClass": StandaloneAttention}, strict=True):
+            LlamaModel(tiny_llama_config())
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    register_patch_mapping({"NoSuchClass": StandaloneAttention})
+    set_strict_patching(True)
+    with pytest.raises(UnmatchedPatchKeyError, match="NoSuchClass"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+    set_strict_patching(False)
+    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert type(model.model.layers[0].self_attn) is modeling_llama.LlamaAttention
+
+
+class BroadAttention(nn.Module):
+    def __init__(self, config, *args, **kwargs):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return (self.proj(hidden_states), None)
+
+
+def test_bert_container_conflict_warns_before_model_is_returned(caplog):
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        with apply_patches({".*Attention": BroadAttention}) as scope:
+            model = BertModel(tiny_bert_config())
+    assert "BertAttention" in caplog.text and "BertSelfAttention" in caplog.text
+    assert type(model.encoder.layer[0].attention) is BroadAttention
+    report = patch_report(model)
+    pairs = {(c.container, c.inner) for c in report.conflicts}
+    assert (modeling_bert.BertAttention, modeling_bert.BertSelfAttention) in pairs
+    assert scope.fired == {".*Attention": 2}
+
+
+def test_narrow_pattern_has_no_conflict(caplog):
+    class SelfAttn(modeling_bert.BertSelfAttention):
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        with apply_patches({".*SelfAttention$": SelfAttn}):
+            model = BertModel(tiny_bert_config())
+    assert caplog.text == ""
+    assert type(model.encoder.layer[0].attention.self) is SelfAttn
+    assert patch_report(model).conflicts == []
