@@ -1,0 +1,86 @@
+"""Remote-code modules (trust_remote_code, ``transformers_modules.*``) are patched too."""
+
+import json
+
+import torch
+import torch.nn as nn
+from transformers import AutoConfig, AutoModel
+
+from modelpatch import patch_report, register_patch_mapping
+
+CONFIGURATION = '''
+from transformers import PretrainedConfig
+
+class TinyRemoteConfig(PretrainedConfig):
+    model_type = "tiny_remote"
+
+    def __init__(self, hidden_size=16, num_blocks=2, **kwargs):
+        self.hidden_size = hidden_size
+        self.num_blocks = num_blocks
+        super().__init__(**kwargs)
+'''
+
+MODELING = '''
+import torch.nn as nn
+from transformers import PreTrainedModel
+from .configuration_tiny_remote import TinyRemoteConfig
+
+class TinyRemoteBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x):
+        return self.proj(x)
+
+class TinyRemoteModel(PreTrainedModel):
+    config_class = TinyRemoteConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.blocks = nn.ModuleList(TinyRemoteBlock(config) for _ in range(config.num_blocks))
+        self.post_init()
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+'''
+
+
+class DoubledBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x):
+        return 2 * self.proj(x)
+
+
+def _write_repo(path):
+    (path / "configuration_tiny_remote.py").write_text(CONFIGURATION)
+    (path / "modeling_tiny_remote.py").write_text(MODELING)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "tiny_remote", "hidden_size": 16, "num_blocks": 2,
+        "auto_map": {"AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+                     "AutoModel": "modeling_tiny_remote.TinyRemoteModel"},
+    }))
+
+
+def test_remote_code_class_is_replaced(tmp_path):
+    _write_repo(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)
+    vanilla = AutoModel.from_config(config, trust_remote_code=True)
+    assert [type(b).__name__ for b in vanilla.blocks] == ["TinyRemoteBlock"] * 2
+    assert type(vanilla.blocks[0]).__module__.startswith("transformers_modules.")
+    vanilla.save_pretrained(tmp_path)
+
+    register_patch_mapping({"TinyRemoteBlock": DoubledBlock})
+    patched = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    assert [type(b) for b in patched.blocks] == [DoubledBlock] * 2
+    assert [r.path for r in patch_report(patched).rows] == ["blocks.0", "blocks.1"]
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        # weights loaded from the checkpoint into the replacement: output is exactly the vanilla path x2 per block
+        expected = vanilla.blocks[1](vanilla.blocks[0](x) * 2) * 2
+        assert torch.allclose(patched(x), expected, atol=1e-6)
