@@ -327,3 +327,27 @@ def test_exitstack_exception_path():
             stack.enter_context(apply_patches({"LlamaMLP": OtherMLP}))
             raise ValueError
     assert_pristine()
+
+
+def test_composite_model_sub_models_built_from_sub_configs(tmp_path):
+    from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.clip import modeling_clip
+
+    class CustomClipMLP(modeling_clip.CLIPMLP):
+        pass
+
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=tiny_llama_config(),
+        image_token_index=100,
+    )
+    save_tiny(LlavaForConditionalGeneration, config, tmp_path)
+    register_patch_mapping({"LlamaAttention": DelegatingAttention, "CLIPMLP": CustomClipMLP})
+    for model in (AutoModelForImageTextToText.from_pretrained(tmp_path),
+                  LlavaForConditionalGeneration._from_config(config)):
+        language = model.model.language_model
+        vision = model.model.vision_tower
+        assert [type(layer.self_attn) for layer in language.layers] == [DelegatingAttention] * 2
+        mlps = [type(m) for name, m in vision.named_modules() if name.endswith(".mlp")]
+        assert mlps == [CustomClipMLP] * 2
