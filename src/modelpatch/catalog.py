@@ -1,7 +1,9 @@
 """Which classes may be replaced: the ``nn.Module`` subclasses defined in Transformers' modeling modules.
 
-A *modeling module* is ``transformers.models.<family>.modeling_<name>`` or a remote-code module loaded
-with ``trust_remote_code`` (``transformers_modules.*``). Only classes *defined* there (``cls.__module__``
+A *modeling module* is ``transformers.models.<family>.modeling_<name>``, a remote-code module loaded
+with ``trust_remote_code`` (``transformers_modules.*``), or one of the two shared modules of building
+blocks that modeling code instantiates: ``transformers.pytorch_utils`` (``Conv1D``, a classic
+quantisation target) and ``transformers.activations``. Only classes *defined* there (``cls.__module__``
 is that module) and subclassing ``torch.nn.Module`` are candidates: never ``torch.nn``, never user code,
 never TypedDicts, output dataclasses or attention functions.
 
@@ -22,7 +24,9 @@ import torch.nn as nn
 
 __all__ = ["ClassCatalog", "CATALOG", "is_modeling_module_name"]
 
-_MODELING_MODULE = re.compile(r"^transformers\.models\.\w+\.modeling_\w+$|^transformers_modules\.")
+_MODELING_MODULE = re.compile(
+    r"^transformers\.models\.\w+\.modeling_\w+$|^transformers_modules\.|^transformers\.(pytorch_utils|activations)$"
+)
 
 
 def is_modeling_module_name(name: str) -> bool:

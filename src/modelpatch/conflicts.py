@@ -18,13 +18,9 @@ import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from transformers.utils import logging
-
 from .registry import PatchRule
 
-logger = logging.get_logger("modelpatch")
-
-__all__ = ["Conflict", "classes_built_by", "find_conflicts", "warn_conflicts"]
+__all__ = ["Conflict", "classes_built_by", "find_conflicts"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +33,16 @@ class Conflict:
     inner_key: str
 
     def message(self) -> str:
+        advice = (
+            "make the pattern narrower or use exact class names"
+            if not (self.container_key.isidentifier() and self.inner_key.isidentifier())
+            else f"drop one of the two keys"
+        )
         return (
             f"modelpatch: key {self.container_key!r} replaces the container {self.container.__name__} and key "
             f"{self.inner_key!r} also matches {self.inner.__name__}, which the original {self.container.__name__} "
-            f"builds; the replacement of {self.container.__name__} does not build {self.inner.__name__}, so that "
-            f"replacement never runs. Use a narrower key (e.g. '.*SelfAttention$') or an exact class name."
+            f"builds; the replacement of {self.container.__name__} built no {self.inner.__name__}, so that "
+            f"replacement never ran and the submodules the original container holds are missing: {advice}."
         )
 
 
@@ -70,23 +71,28 @@ def classes_built_by(container: type) -> frozenset[type]:
     return frozenset(found)
 
 
-def find_conflicts(resolved: Mapping[type, PatchRule], replaced: Iterable[type]) -> list[Conflict]:
-    """Conflicts among ``replaced`` containers and the classes ``resolved`` matches."""
+def find_conflicts(
+    resolved: Mapping[type, PatchRule], replaced: Iterable[type], built: set[type] | None = None
+) -> list[Conflict]:
+    """Conflicts among ``replaced`` containers and the classes ``resolved`` matches.
+
+    Args:
+        resolved: ``{class: rule}`` of the mapping.
+        replaced: container classes that were (or would be) replaced.
+        built: classes actually constructed during the build. An inner class that was built anyway
+            (the container's replacement subclasses it and calls ``super().__init__``, or builds the
+            inner class itself) is no conflict. ``None`` for a dry run: then a container whose
+            replacement subclasses it is assumed to build what the original builds.
+    """
     conflicts = []
     for container in replaced:
         container_rule = resolved.get(container)
         if container_rule is None:
             continue
+        if built is None and issubclass(container_rule.replacement, container):
+            continue
         for inner in sorted(classes_built_by(container), key=lambda c: c.__name__):
             inner_rule = resolved.get(inner)
-            if inner_rule is not None:
+            if inner_rule is not None and (built is None or inner not in built):
                 conflicts.append(Conflict(container, container_rule.key, inner, inner_rule.key))
-    return conflicts
-
-
-def warn_conflicts(scope) -> list[Conflict]:
-    """Log one warning per conflict found among the classes ``scope`` actually replaced."""
-    conflicts = find_conflicts(scope.resolved, list(scope.replaced_originals))
-    for conflict in conflicts:
-        logger.warning(conflict.message())
     return conflicts

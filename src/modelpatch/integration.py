@@ -17,23 +17,17 @@ open:
 from __future__ import annotations
 
 import functools
-import weakref
 
 from transformers.modeling_utils import PreTrainedModel
 
 from .recorders import install_registry_extension, patch_output_recorders
+from .records import BuildRecord, build_record, set_build_record
 from .registry import is_strict_patching, registered_patch_mapping
 from .scope import PatchScope, active_scopes, refresh_catalog
 
-__all__ = ["install", "scopes_that_built"]
+__all__ = ["install"]
 
-_BUILT_IN: "weakref.WeakKeyDictionary[PreTrainedModel, tuple[PatchScope, ...]]" = weakref.WeakKeyDictionary()
 _MARK = "_modelpatch_wrapped"
-
-
-def scopes_that_built(model) -> tuple[PatchScope, ...]:
-    """The scopes that were active when ``model`` (a ``PreTrainedModel``) was constructed."""
-    return _BUILT_IN.get(model, ())
 
 
 class _RegistryBuild:
@@ -60,16 +54,27 @@ def _wrap_build(name: str) -> None:
     if getattr(original, _MARK, False):
         return
 
+    label = name.lstrip("_")
+
     @functools.wraps(original)
     def build(cls, *args, **kwargs):
-        with _RegistryBuild(f"{cls.__name__}.{name}"):
+        with _RegistryBuild(f"{cls.__name__}.{label}"):
             model = original(cls, *args, **kwargs)
             if active_scopes() and isinstance(model, PreTrainedModel):
                 patch_output_recorders(model)
+                if name == "_from_config":
+                    _bind_conversion_rules(model)
         return model
 
     setattr(build, _MARK, True)
     setattr(PreTrainedModel, name, classmethod(build))
+
+
+def _bind_conversion_rules(model) -> None:
+    """Let a model built from a config inside a scope save its original layout after the scope exits."""
+    from .conversion import bind_conversion_rules
+
+    bind_conversion_rules(model)
 
 
 def _wrap_init() -> None:
@@ -82,10 +87,12 @@ def _wrap_init() -> None:
         scopes = active_scopes()
         if scopes:
             refresh_catalog()
-            _BUILT_IN[self] = scopes
-            for scope in scopes:
-                scope.models_built += 1
         original(self, *args, **kwargs)
+        if scopes:
+            keys = tuple(dict.fromkeys(k for scope in scopes for k in scope.mapping.keys))
+            set_build_record(self, BuildRecord(keys=keys, scopes=scopes))
+            for scope in scopes:
+                scope._built_model(self)
 
     setattr(__init__, _MARK, True)
     PreTrainedModel.__init__ = __init__
@@ -99,7 +106,7 @@ def _wrap_post_init() -> None:
     @functools.wraps(original)
     def post_init(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        if self in _BUILT_IN:
+        if build_record(self) is not None:
             patch_output_recorders(self)
         return result
 

@@ -37,7 +37,8 @@ _BUILDING: ContextVar[frozenset] = ContextVar("modelpatch_building", default=fro
 
 _MISSING = object()
 _lock = threading.Lock()
-_hooks: dict[type, list] = {}  # target -> [refcount, original __init__ entry of target.__dict__ or _MISSING]
+# target -> [refcount, target.__dict__["__init__"] before hooking (or _MISSING), target.__init__ before hooking]
+_hooks: dict[type, list] = {}
 
 Lookup = Callable[[type], "tuple[type, Callable[[object], None]] | None"]
 
@@ -58,7 +59,15 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                     ) from None
                 token = _BUILDING.set(_BUILDING.get() | {target})
                 try:
-                    replacement.__init__(self, *args, **kwargs)
+                    _unhooked_init(replacement)(self, *args, **kwargs)
+                except BaseException as exc:
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(
+                            f"modelpatch: raised while building {replacement.__qualname__} in place of "
+                            f"{target.__qualname__}; a replacement is called with the original's arguments "
+                            f"({len(args)} positional, keywords {sorted(kwargs)})"
+                        )
+                    raise
                 finally:
                     _BUILDING.reset(token)
                 on_built(self)
@@ -69,6 +78,13 @@ def _make_hook(target: type, lookup: Lookup, original_init):
     return __init__
 
 
+def _unhooked_init(cls: type):
+    """``cls.__init__`` as defined, skipping a modelpatch hook on ``cls`` itself (a replacement that is
+    also a target in some scope is built as itself, so swaps such as A -> B, B -> A work)."""
+    entry = _hooks.get(cls)
+    return entry[2] if entry is not None else cls.__init__
+
+
 def install_hook(target: type, lookup: Lookup) -> None:
     """Make ``target`` consult ``lookup`` on construction (reference counted)."""
     with _lock:
@@ -77,9 +93,10 @@ def install_hook(target: type, lookup: Lookup) -> None:
             entry[0] += 1
             return
         own = vars(target).get("__init__", _MISSING)
-        hook = _make_hook(target, lookup, target.__init__)
+        original_init = target.__init__
+        hook = _make_hook(target, lookup, original_init)
         type.__setattr__(target, "__init__", hook)
-        _hooks[target] = [1, own]
+        _hooks[target] = [1, own, original_init]
 
 
 def uninstall_hook(target: type) -> None:

@@ -1,16 +1,22 @@
-"""Output recorders that follow replacement classes, per model instance.
+"""Output recorders that follow replacement classes, and user-defined recorders, per model instance.
 
 Transformers captures ``output_attentions``/``output_hidden_states``/``output_router_logits`` with
 forward hooks on modules that are ``isinstance`` of the classes named in ``_can_record_outputs``, looked
 up in ``transformers.utils.output_capturing._CAN_RECORD_REGISTRY`` (keyed by ``str(model class)``, and
 reset from the class attribute each time a model of that class is built).
 
-A replacement that is not a subclass of the original is not ``isinstance`` of it, so nothing would be
-captured. ``transformers.monkey_patching.patch_output_recorders`` rewrites the *class* attribute, which
-then stays wrong for every later unpatched model of that class. modelpatch instead keeps *additions*
-per model instance (and per class, for :func:`register_output_recorder`) in weak dictionaries and
-teaches the registry object to merge them in: the registry's class is swapped once for a subclass whose
-``get(model)`` adds them. Models without additions get exactly what Transformers stored.
+* A replacement that is not a subclass of the original is not ``isinstance`` of it, so nothing would
+  be captured. ``transformers.monkey_patching.patch_output_recorders`` rewrites the *class* attribute,
+  which then stays wrong for every later unpatched model. modelpatch keeps *additions* on the model
+  instance and teaches the registry object to merge them in (its class is swapped once for a subclass
+  whose ``get(model)`` adds them). Models without additions get exactly what Transformers stored.
+* :func:`register_output_recorder` adds new ``output_<name>`` outputs. Their hooks are modelpatch's own
+  (tagged, picklable callables), installed on the matching modules at registration or, for a class-level
+  registration, the first time an instance runs; overwriting or unregistering removes them exactly.
+  The registry reports the name with a recorder that matches no module, so Transformers allocates the
+  output list but installs no hook of its own for it.
+
+Everything is stored in the instances' ``__dict__``, so it follows ``copy.deepcopy`` and ``pickle``.
 """
 
 from __future__ import annotations
@@ -24,14 +30,22 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import output_capturing as _capturing
 from transformers.utils.output_capturing import OutputRecorder
 
-from .scope import provenance
+from .records import provenance
 
 __all__ = ["patch_output_recorders", "register_output_recorder", "unregister_output_recorder", "OutputRecorder"]
 
-_lock = threading.Lock()
-_INSTANCE_EXTRA: "weakref.WeakKeyDictionary[nn.Module, dict[str, list]]" = weakref.WeakKeyDictionary()
-_USER_INSTANCE: "weakref.WeakKeyDictionary[nn.Module, dict[str, list]]" = weakref.WeakKeyDictionary()
-_USER_CLASS: "weakref.WeakKeyDictionary[type, dict[str, list]]" = weakref.WeakKeyDictionary()
+_lock = threading.RLock()
+_ADDITIONS_ATTR = "_modelpatch_recorder_additions"  # {name: [OutputRecorder]} for replacement classes
+_USER_ATTR = "_modelpatch_output_recorders"  # {name: (OutputRecorder, ...)} registered on this instance
+_HOOKED_ATTR = "_modelpatch_recorders_hooked"  # {name: recorders tuple} whose hooks are installed
+_USER_CLASS: "weakref.WeakKeyDictionary[type, dict[str, tuple]]" = weakref.WeakKeyDictionary()
+
+
+class _MatchesNoModule(nn.Module):
+    """Recorder target for user outputs: Transformers allocates the output list, hooks are ours."""
+
+
+_NO_HOOK = OutputRecorder(target_class=_MatchesNoModule)
 
 
 def _as_list(specs) -> list:
@@ -40,26 +54,35 @@ def _as_list(specs) -> list:
     return list(specs) if isinstance(specs, list) else [specs]
 
 
+def _own(module, attr: str) -> dict:
+    return module.__dict__.get(attr) or {}
+
+
+def _user_recorders(model) -> dict[str, tuple]:
+    """Class-level then instance-level user recorders for ``model`` (instance entries win)."""
+    found: dict[str, tuple] = {}
+    for klass in reversed(type(model).__mro__):
+        found.update(_USER_CLASS.get(klass, {}))
+    found.update(_own(model, _USER_ATTR))
+    return found
+
+
 class _InstanceAwareRegistry(_capturing._CanRecordRegistry):
-    """Transformers' registry, plus modelpatch's per-instance and per-class additions."""
+    """Transformers' registry, plus modelpatch's per-instance additions and user recorders."""
 
     def get(self, model):  # noqa: D102 - same contract as the parent
         base = super().get(model)
-        additions = []
-        for klass in reversed(type(model).__mro__):
-            extra = _USER_CLASS.get(klass)
-            if extra:
-                additions.append(extra)
-        for table in (_INSTANCE_EXTRA, _USER_INSTANCE):
-            extra = table.get(model)
-            if extra:
-                additions.append(extra)
-        if not additions:
+        additions = _own(model, _ADDITIONS_ATTR)
+        user = _user_recorders(model)
+        if not additions and not user:
             return base
         merged = dict(base)
-        for extra in additions:
-            for name, specs in extra.items():
-                merged[name] = _as_list(merged.get(name)) + list(specs)
+        for name, specs in additions.items():
+            merged[name] = _as_list(merged.get(name)) + list(specs)
+        for name, recorders in user.items():
+            merged.setdefault(name, _NO_HOOK)
+        if user:
+            _sync_hooks(model, user)
         return merged
 
 
@@ -77,6 +100,9 @@ def _target_and_recorder(name: str, spec):
     if isinstance(spec, type):
         return spec, OutputRecorder(target_class=spec, index=0 if "hidden_states" in name else 1)
     return None, spec  # a string: matched against module paths, unaffected by class replacement
+
+
+# -- replacement classes ---------------------------------------------------------------------------
 
 
 def _replaced_pairs(model: nn.Module) -> set[tuple[type, type]]:
@@ -100,8 +126,7 @@ def patch_output_recorders(model: nn.Module) -> None:
     """
     install_registry_extension()
     pairs = _replaced_pairs(model)
-    submodels = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-    for submodel in submodels:
+    for submodel in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
         base = dict.get(_capturing._CAN_RECORD_REGISTRY, str(submodel.__class__)) or {}
         additions: dict[str, list] = {}
         for name, specs in base.items():
@@ -112,43 +137,90 @@ def patch_output_recorders(model: nn.Module) -> None:
                 for original, replacement in sorted(pairs, key=lambda p: p[1].__qualname__):
                     if issubclass(original, target) and not issubclass(replacement, target):
                         additions.setdefault(name, []).append(dataclasses.replace(recorder, target_class=replacement))
-        with _lock:
-            if additions:
-                _INSTANCE_EXTRA[submodel] = additions
-            else:
-                _INSTANCE_EXTRA.pop(submodel, None)
+        submodel.__dict__[_ADDITIONS_ATTR] = additions
 
 
-def _install_now(model: nn.Module, name: str, recorders: list[OutputRecorder]) -> None:
-    """Hooks for a recorder added after Transformers already hooked ``model`` (hooks are installed once)."""
-    for submodel in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
-        if not getattr(submodel, "_output_capturing_hooks_installed", False):
-            continue
-        for path, module in submodel.named_modules():
-            for rec in recorders:
-                if rec.target_class is not None and isinstance(module, rec.target_class):
-                    if rec.layer_name is None or f".{rec.layer_name.strip('.')}." in f".{path}.":
-                        _capturing.install_output_capuring_hook(module, name, rec.index, rec.capture_initial_hidden_state)
+# -- user recorders --------------------------------------------------------------------------------
 
 
-def register_output_recorder(model_or_class, name: str, recorder) -> None:
+class _CaptureHook:
+    """Forward hook appending ``output[index]`` (or a non-tuple output) to the active ``output_<name>``."""
+
+    def __init__(self, name: str, index: int):
+        self.name = name
+        self.index = index
+
+    def __call__(self, module, args, output):
+        collected = _capturing._active_collector.get()
+        if collected is None or self.name not in collected:
+            return
+        value = output[self.index] if isinstance(output, tuple) else output
+        if value is not None:
+            collected[self.name].append(value)
+
+
+def _matches(rec: OutputRecorder, path: str, module: nn.Module) -> bool:
+    if not isinstance(module, rec.target_class):
+        return False
+    return rec.layer_name is None or f".{rec.layer_name.strip('.')}." in f".{path}."
+
+
+def _remove_hooks(model: nn.Module, name: str) -> None:
+    for module in model.modules():
+        for handle_id, hook in list(module._forward_hooks.items()):
+            if isinstance(hook, _CaptureHook) and hook.name == name:
+                del module._forward_hooks[handle_id]
+
+
+def _sync_hooks(model: nn.Module, user: dict[str, tuple]) -> None:
+    """Make the installed hooks of ``model`` match ``user`` (cheap when nothing changed)."""
+    hooked = _own(model, _HOOKED_ATTR)
+    if all(hooked.get(name) == recorders for name, recorders in user.items()):
+        return
+    with _lock:
+        hooked = dict(_own(model, _HOOKED_ATTR))
+        for name, recorders in user.items():
+            if hooked.get(name) == recorders:
+                continue
+            _remove_hooks(model, name)
+            for path, module in model.named_modules():
+                for rec in recorders:
+                    if _matches(rec, path, module):
+                        module.register_forward_hook(_CaptureHook(name, rec.index))
+            hooked[name] = recorders
+        model.__dict__[_HOOKED_ATTR] = hooked
+
+
+def _builtin_names(model_or_class) -> set[str]:
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    names = set(getattr(cls, "_can_record_outputs", None) or {})
+    names |= set(dict.get(_capturing._CAN_RECORD_REGISTRY, str(cls)) or {})
+    return names
+
+
+def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: bool = False) -> None:
     """Let ``model(..., output_<name>=True)`` return the outputs ``recorder`` captures, as a tuple.
 
     Args:
         model_or_class: a ``PreTrainedModel`` instance (applies to it and its sub-models) or a
             ``PreTrainedModel`` subclass (applies to every instance, built before or after).
         name: the output name; ``output_<name>=True`` turns capture on and ``outputs.<name>`` holds it.
-        recorder: an ``OutputRecorder(target_class, index=...)``, an ``nn.Module`` subclass (index 1,
-            or 0 for names containing ``hidden_states``) or a list of those.
+        recorder: an ``OutputRecorder(target_class, index=...)``, an ``nn.Module`` subclass (index 1)
+            or a list of those. A module output that is a tuple contributes ``output[index]``; any other
+            output is taken whole.
+        overwrite: replace an existing registration of ``name`` (its hooks are removed).
 
     Raises:
         TypeError: ``model_or_class`` is neither a ``PreTrainedModel`` nor a subclass of it; a recorder
-            is not an ``OutputRecorder`` or ``nn.Module`` subclass.
-        ValueError: ``name`` is not a Python identifier.
+            is not an ``OutputRecorder`` with a target class or an ``nn.Module`` subclass.
+        ValueError: ``name`` is not a Python identifier, is an output Transformers already records for
+            this model (``hidden_states``, ``attentions``, ...), or is registered and ``overwrite`` is false.
 
-    Unlike writing into Transformers' private registry, the entry survives building other models of
-    the same class. The outputs are returned by the model whose ``forward`` captures outputs
-    (``@capture_outputs``, usually the base model such as ``model.model``).
+    Unlike writing into Transformers' private registry, the entry survives building other models of the
+    same class, and ``copy.deepcopy``/``pickle`` of the model. The tuple is returned by the model whose
+    ``forward`` captures outputs (``@capture_outputs``: usually the base model such as ``model.model``;
+    task heads like ``*ForCausalLM`` build their own output objects and ``generate`` rejects unknown
+    ``output_*`` arguments).
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"Output recorder name {name!r} must be a Python identifier (used as output_<name>)")
@@ -158,30 +230,54 @@ def register_output_recorder(model_or_class, name: str, recorder) -> None:
         if target is None or not (isinstance(target, type) and issubclass(target, nn.Module)):
             raise TypeError(f"Recorder {spec!r} for output {name!r} must be an OutputRecorder or nn.Module subclass")
         recorders.append(rec)
+    recorders = tuple(recorders)
+    if isinstance(model_or_class, PreTrainedModel):
+        owners = [m for m in model_or_class.modules() if isinstance(m, PreTrainedModel)]
+    elif isinstance(model_or_class, type) and issubclass(model_or_class, PreTrainedModel):
+        owners = [model_or_class]
+    else:
+        raise TypeError(f"register_output_recorder needs a PreTrainedModel instance or subclass, got {model_or_class!r}")
+    for owner in owners:
+        if name in _builtin_names(owner):
+            raise ValueError(
+                f"{name!r} is an output {getattr(owner, '__name__', type(owner).__name__)} already records; "
+                "choose another name"
+            )
     install_registry_extension()
     with _lock:
-        if isinstance(model_or_class, PreTrainedModel):
-            for submodel in [m for m in model_or_class.modules() if isinstance(m, PreTrainedModel)]:
-                _USER_INSTANCE.setdefault(submodel, {})[name] = list(recorders)
-        elif isinstance(model_or_class, type) and issubclass(model_or_class, PreTrainedModel):
-            _USER_CLASS.setdefault(model_or_class, {})[name] = list(recorders)
-        else:
-            raise TypeError(
-                f"register_output_recorder needs a PreTrainedModel instance or subclass, got {model_or_class!r}"
-            )
-    if isinstance(model_or_class, PreTrainedModel):
-        _install_now(model_or_class, name, recorders)
+        if isinstance(model_or_class, type):
+            existing = _USER_CLASS.get(model_or_class, {})
+            if name in existing and not overwrite:
+                raise ValueError(f"Output recorder {name!r} is already registered for {model_or_class.__name__}; pass overwrite=True")
+            _USER_CLASS[model_or_class] = {**existing, name: recorders}
+            return
+        taken = [o for o in owners if name in _own(o, _USER_ATTR)]
+        if taken and not overwrite:
+            raise ValueError(f"Output recorder {name!r} is already registered on this model; pass overwrite=True")
+        for owner in owners:
+            owner.__dict__[_USER_ATTR] = {**_own(owner, _USER_ATTR), name: recorders}
+        _sync_hooks(model_or_class, {name: recorders})
 
 
 def unregister_output_recorder(model_or_class, name: str) -> None:
-    """Remove an entry added by :func:`register_output_recorder`; raises ``KeyError`` if absent."""
+    """Remove an entry added by :func:`register_output_recorder` and its hooks.
+
+    Raises:
+        KeyError: ``name`` is not registered for ``model_or_class``.
+    """
     with _lock:
-        if isinstance(model_or_class, PreTrainedModel):
-            targets = [m for m in model_or_class.modules() if isinstance(m, PreTrainedModel)]
-            tables = [(_USER_INSTANCE, t) for t in targets if name in _USER_INSTANCE.get(t, {})]
-        else:
-            tables = [(_USER_CLASS, model_or_class)] if name in _USER_CLASS.get(model_or_class, {}) else []
-        if not tables:
-            raise KeyError(f"No output recorder {name!r} registered for {model_or_class!r}")
-        for table, key in tables:
-            del table[key][name]
+        if isinstance(model_or_class, type):
+            entries = _USER_CLASS.get(model_or_class, {})
+            if name not in entries:
+                raise KeyError(f"No output recorder {name!r} registered for {model_or_class.__name__}")
+            _USER_CLASS[model_or_class] = {k: v for k, v in entries.items() if k != name}
+            return  # hooks left on instances are inert: the registry no longer reports the name
+        owners = [m for m in model_or_class.modules() if name in _own(m, _USER_ATTR)]
+        if not owners:
+            raise KeyError(f"No output recorder {name!r} registered for {type(model_or_class).__name__}")
+        for owner in owners:
+            owner.__dict__[_USER_ATTR] = {k: v for k, v in _own(owner, _USER_ATTR).items() if k != name}
+        _remove_hooks(model_or_class, name)
+        for module in model_or_class.modules():
+            if name in _own(module, _HOOKED_ATTR):
+                module.__dict__[_HOOKED_ATTR] = {k: v for k, v in _own(module, _HOOKED_ATTR).items() if k != name}

@@ -221,8 +221,16 @@ def unregister_patch_mapping(keys: Iterable[str]) -> None:
 
 
 def clear_patch_mapping() -> None:
-    """Remove every registered class replacement."""
+    """Remove every registered class replacement and every registered checkpoint conversion rule.
+
+    Conversion rules are cleared too because they exist for the replacement classes: a ``qwen2_moe``
+    rule left behind (as ``transformers.monkey_patching`` leaves it) makes every later vanilla load
+    leave its experts randomly initialised. Transformers' built-in rules are never touched.
+    """
+    from .conversion.registry import clear_checkpoint_conversion_mappings
+
     _REGISTRY.clear()
+    clear_checkpoint_conversion_mappings()
 
 
 def get_patch_mapping() -> dict[str, type]:

@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from .conflicts import Conflict, find_conflicts
-from .integration import scopes_that_built
-from .scope import provenance
+from .conflicts import Conflict
+from .records import build_record, provenance
 
 __all__ = ["PatchRow", "PatchReport", "patch_report"]
 
@@ -69,26 +68,24 @@ def patch_report(model: nn.Module) -> PatchReport:
     Returns:
         A :class:`PatchReport` with one :class:`PatchRow` per replaced module (path as in
         ``model.named_modules()``), the keys of the mappings in force while the model was built that
-        replaced nothing, and container/inner conflicts (see :mod:`modelpatch.conflicts`).
+        matched no class built, container/inner conflicts (see :mod:`modelpatch.conflicts`), and the
+        weight conversion rows (rule -> checkpoint keys) when rules converted its checkpoint. The
+        records live on the modules, so the report survives ``copy.deepcopy`` and ``pickle``.
     """
     report = PatchReport()
-    originals = {}
     for path, module in model.named_modules():
         found = provenance(module)
         if found is not None:
             report.rows.append(PatchRow(path or "<root>", found.original, found.replacement, found.key))
-            originals[found.original] = True
-    scopes = scopes_that_built(model)
-    seen_keys: list[str] = []
-    fired = {row.key for row in report.rows}
-    for scope in scopes:
-        for key in scope.mapping.keys:
-            if key not in fired and key not in seen_keys:
-                seen_keys.append(key)
-        for conflict in find_conflicts(scope.resolved, list(originals)):
-            if conflict not in report.conflicts:
-                report.conflicts.append(conflict)
-    report.unmatched_keys = seen_keys
+    record = build_record(model)
+    if record is not None:
+        if record.unmatched is not None:
+            report.unmatched_keys = list(record.unmatched)
+            report.conflicts = list(record.conflicts)
+        else:  # the scopes that built the model are still open: read them live
+            unmatched = set().union(*(scope.unmatched_keys for scope in record.scopes)) if record.scopes else set()
+            report.unmatched_keys = [k for k in record.keys if k in unmatched]
+            report.conflicts = [c for scope in record.scopes for c in scope.conflicts()]
     try:
         from .conversion import conversion_report  # the conversion layer, when present
     except ImportError:

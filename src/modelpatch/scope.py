@@ -11,45 +11,30 @@ registry scope that ``from_pretrained``/``from_config`` open, innermost block fi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
 
 from transformers.utils import logging
 
 from .catalog import CATALOG
 from .interception import install_hook, uninstall_hook
+from .records import Replacement, build_record, set_provenance
 from .registry import PatchMapping, PatchRule, build_patch_mapping, registered_patch_mapping
 
 logger = logging.get_logger("modelpatch")
 
-__all__ = ["PatchScope", "apply_patches", "active_scopes", "UnmatchedPatchKeyError", "Replacement", "provenance"]
+__all__ = ["PatchScope", "apply_patches", "active_scopes", "UnmatchedPatchKeyError"]
 
 
 class UnmatchedPatchKeyError(ValueError):
-    """A strict build finished with patch keys that replaced nothing."""
+    """A strict build finished with patch keys that matched no class that was built."""
 
 
-@dataclass(frozen=True)
-class Replacement:
-    """Provenance of one replaced module instance."""
-
-    original: type
-    replacement: type
-    key: str
-
-
-# module instance -> Replacement, for every module built as a replacement (weak: no leak).
-_PROVENANCE: "weakref.WeakKeyDictionary[object, Replacement]" = weakref.WeakKeyDictionary()
-_PROVENANCE_LOCK = threading.Lock()
-
-
-def provenance(module: object) -> Replacement | None:
-    """How ``module`` was built, if it is a replacement built by modelpatch."""
-    return _PROVENANCE.get(module)
-
+_STATS_LOCK = threading.Lock()
 
 _ACTIVE: ContextVar[tuple["PatchScope", ...]] = ContextVar("modelpatch_active_scopes", default=())
 
@@ -67,6 +52,8 @@ def _lookup(target: type):
     scopes = _ACTIVE.get()
     if not scopes:
         return None
+    for scope in scopes:
+        scope._saw(target)
     for explicit in (True, False):
         for scope in reversed(scopes):
             if scope.explicit is explicit and not scope.closed:
@@ -96,56 +83,90 @@ class PatchScope:
         strict: raise :class:`UnmatchedPatchKeyError` on exit when a key replaced nothing.
         resolved: ``{original class: rule}`` for every catalogued class the mapping matches.
         fired: ``{key: number of modules replaced}``.
+
+    Also usable as a decorator (each call of the decorated function runs in a fresh scope with the same
+    mapping), like ``transformers.monkey_patching.apply_patches``.
     """
 
-    def __init__(self, mapping: PatchMapping, *, explicit: bool, strict: bool = False, label: str = "apply_patches"):
+    def __init__(
+        self,
+        mapping: PatchMapping,
+        *,
+        explicit: bool,
+        strict: bool = False,
+        label: str = "apply_patches",
+        conversion_rules: Mapping | None = None,
+    ):
         self.mapping = mapping
+        self.conversion_rules = conversion_rules
+        self._exit_stack = contextlib.ExitStack()
         self.explicit = explicit
         self.strict = strict
         self.label = label
         self.resolved: dict[type, PatchRule] = {}
         self.fired: dict[str, int] = {}
         self.replaced_originals: dict[type, PatchRule] = {}
-        self.models_built = 0  # PreTrainedModel constructions seen inside the scope
+        self.candidates: dict[type, tuple[str, ...]] = {}  # class -> every key that matches it
+        self.constructed: set[type] = set()  # matched classes whose construction was seen
+        self.matched: set[str] = set()  # keys that matched a constructed class
+        self.models: "weakref.WeakSet" = weakref.WeakSet()  # PreTrainedModels built inside
+        self.models_built = 0
         self.closed = False
         self._entered = False
         self._hooked: list[type] = []
 
     # -- resolution -------------------------------------------------------------------------------
-    def _matches(self, classes) -> dict[type, PatchRule]:
-        replacements = {rule.replacement for rule in self.mapping.rules}
-        found = {}
-        for cls in classes:
-            if cls in replacements:  # a replacement is never itself replaced (no chains, no cycles)
-                continue
-            rule = self.mapping.resolve(cls.__name__)
-            if rule is not None and rule.replacement is not cls:
-                found[cls] = rule
-        return found
-
     def _extend(self, classes) -> None:
         if self.closed:
             return
-        for cls, rule in self._matches(classes).items():
-            if cls not in self.resolved:
-                install_hook(cls, _lookup)
-                self._hooked.append(cls)
-                self.resolved[cls] = rule
+        for cls in classes:
+            if cls in self.resolved:
+                continue
+            rule = self.mapping.resolve(cls.__name__)
+            if rule is None or rule.replacement is cls:
+                continue
+            install_hook(cls, _lookup)
+            self._hooked.append(cls)
+            self.resolved[cls] = rule
+            self.candidates[cls] = tuple(r.key for r in self.mapping.rules if r.matches(cls.__name__))
+
+    def _saw(self, target: type) -> None:
+        """A class this scope may match is being constructed (whoever ends up replacing it)."""
+        keys = self.candidates.get(target)
+        if keys is not None and not self.closed:
+            self.constructed.add(target)
+            self.matched.update(keys)
 
     def _recorder(self, original: type, rule: PatchRule):
         def on_built(module: object) -> None:
-            with _PROVENANCE_LOCK:
-                _PROVENANCE[module] = Replacement(original, rule.replacement, rule.key)
+            set_provenance(module, Replacement(original, rule.replacement, rule.key))
+            with _STATS_LOCK:
                 self.fired[rule.key] = self.fired.get(rule.key, 0) + 1
                 self.replaced_originals[original] = rule
 
         return on_built
 
+    def _built_model(self, model) -> None:
+        """A ``PreTrainedModel`` is being constructed inside this scope."""
+        self.models.add(model)
+        self.models_built += 1
+
     # -- results ----------------------------------------------------------------------------------
     @property
     def unmatched_keys(self) -> tuple[str, ...]:
-        """Keys that replaced no module while this scope was active."""
-        return tuple(k for k in self.mapping.keys if k not in self.fired)
+        """Keys that matched no class constructed while this scope was active (typos, wrong family)."""
+        return tuple(k for k in self.mapping.keys if k not in self.matched)
+
+    @property
+    def outranked_keys(self) -> tuple[str, ...]:
+        """Keys that matched a constructed class but lost to another key or an enclosing block."""
+        return tuple(k for k in self.mapping.keys if k in self.matched and k not in self.fired)
+
+    def conflicts(self):
+        """Container/inner conflicts among the classes this scope replaced (see :mod:`modelpatch.conflicts`)."""
+        from .conflicts import find_conflicts
+
+        return find_conflicts(self.resolved, list(self.replaced_originals), built=self.constructed)
 
     # -- context manager --------------------------------------------------------------------------
     def __enter__(self) -> "PatchScope":
@@ -160,8 +181,28 @@ class PatchScope:
             except BaseException:
                 self._release()
                 raise
+        if self.conversion_rules:
+            from .conversion import conversion_rules
+
+            try:
+                self._exit_stack.enter_context(conversion_rules(self.conversion_rules))
+            except BaseException:
+                self._release()
+                raise
         _ACTIVE.set(_ACTIVE.get() + (self,))
         return self
+
+    def __call__(self, func):
+        @functools.wraps(func)
+        def run_patched(*args, **kwargs):
+            fresh = PatchScope(
+                self.mapping, explicit=self.explicit, strict=self.strict, label=self.label,
+                conversion_rules=self.conversion_rules,
+            )
+            with fresh:
+                return func(*args, **kwargs)
+
+        return run_patched
 
     def _release(self) -> None:
         self.closed = True
@@ -173,25 +214,44 @@ class PatchScope:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         _ACTIVE.set(tuple(s for s in _ACTIVE.get() if s is not self))
-        self._release()
+        try:
+            self._exit_stack.__exit__(exc_type, exc, tb)
+        finally:
+            self._release()
         if exc_type is None:
             self.finish()
 
     def finish(self) -> None:
-        """Warn about (or, when strict, raise for) keys that replaced nothing, and about conflicts."""
-        from .conflicts import warn_conflicts
-
-        warn_conflicts(self)
+        """Record results on the models built, warn about conflicts and about keys that matched no
+        constructed class (raise :class:`UnmatchedPatchKeyError` instead when strict)."""
+        conflicts = self.conflicts()
+        for conflict in conflicts:
+            logger.warning(conflict.message())
         unmatched = self.unmatched_keys
-        if not unmatched or not (self.fired or self.models_built):
+        for model in list(self.models):
+            record = build_record(model)
+            if record is not None:
+                record.unmatched = tuple(k for k in record.keys if k in unmatched)
+                record.conflicts = tuple(conflicts)
+        for key in self.outranked_keys:
+            logger.info(f"modelpatch: key {key!r} matched classes during {self.label} but other keys or an enclosing block replaced them")
+        if not unmatched or not (self.fired or self.models_built or self.constructed):
             return  # nothing was built: nothing to judge
+        hints = "".join(_hint(key) for key in unmatched)
         message = (
-            f"modelpatch: patch key(s) {list(unmatched)} replaced no module during {self.label}; "
-            "check the class name (case-sensitive) or the pattern"
+            f"modelpatch: patch key(s) {list(unmatched)} matched no class built during {self.label}; "
+            f"check the class name (case-sensitive) or the pattern{hints}"
         )
         if self.strict:
             raise UnmatchedPatchKeyError(message)
         logger.warning(message)
+
+
+def _hint(key: str) -> str:
+    if key.isidentifier() and any(key in name and key != name for name in CATALOG.names()):
+        return f"; {key!r} is an exact class name: to match class names containing it, write '.*{key}'"
+    return ""
+
 
 
 _MATCH_CACHE: "weakref.WeakKeyDictionary[PatchMapping, tuple[int, list[type]]]" = weakref.WeakKeyDictionary()
@@ -212,14 +272,19 @@ def _cached_catalog_matches(mapping: PatchMapping) -> list[type]:
     return candidates
 
 
-def apply_patches(mapping: Mapping[str, type] | None = None, *, strict: bool = False) -> PatchScope:
+def apply_patches(
+    mapping: Mapping[str, type] | None = None, *, strict: bool = False, conversion_rules: Mapping | None = None
+) -> PatchScope:
     """Context manager: build models with class replacements inside the block, originals outside.
 
     Args:
         mapping: ``{key: replacement}`` to apply inside the block only, without touching the registry.
             ``None`` applies the registry (:func:`~modelpatch.register_patch_mapping`) as it is now.
-        strict: on a normal exit, raise :class:`UnmatchedPatchKeyError` if a key replaced no module
-            (otherwise a warning naming the key is logged).
+        strict: on a normal exit, raise :class:`UnmatchedPatchKeyError` if a key matched no class that
+            was built in the block (otherwise a warning naming the key is logged).
+        conversion_rules: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``
+            checkpoint conversion rules in force inside the block only (see
+            :func:`modelpatch.conversion.conversion_rules`).
 
     Returns:
         A :class:`PatchScope`; ``with apply_patches() as scope`` gives access to ``scope.fired`` and
@@ -232,4 +297,4 @@ def apply_patches(mapping: Mapping[str, type] | None = None, *, strict: bool = F
     of order) nothing remains to undo. Modules built inside the block keep their replacements.
     """
     resolved = registered_patch_mapping() if mapping is None else build_patch_mapping(mapping)
-    return PatchScope(resolved, explicit=True, strict=strict)
+    return PatchScope(resolved, explicit=True, strict=strict, conversion_rules=conversion_rules)

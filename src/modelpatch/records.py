@@ -1,0 +1,61 @@
+"""What modelpatch remembers on the modules it builds, stored on the instances themselves.
+
+Kept in each instance's ``__dict__`` (not in side tables keyed by object identity), so the record
+follows the module through ``copy.deepcopy`` and ``pickle`` (EMA copies, PEFT wrappers, spawn-based
+multiprocessing) and dies with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Replacement", "BuildRecord", "provenance", "set_provenance", "build_record", "set_build_record"]
+
+_PROVENANCE_ATTR = "_modelpatch_replaced"
+_BUILD_ATTR = "_modelpatch_build"
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """How one module was built: ``replacement`` in place of ``original``, chosen by ``key``."""
+
+    original: type
+    replacement: type
+    key: str
+
+
+@dataclass
+class BuildRecord:
+    """The patch keys in force while a ``PreTrainedModel`` was built, and what became of them.
+
+    ``unmatched``/``conflicts`` are filled when the scopes that built the model finish; until then
+    :func:`~modelpatch.patch_report` computes them from the live scopes.
+    """
+
+    keys: tuple[str, ...]
+    unmatched: tuple[str, ...] | None = None
+    conflicts: tuple = ()
+    scopes: tuple = field(default=(), repr=False, compare=False)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["scopes"] = ()  # live scopes are process-local
+        return state
+
+
+def provenance(module: object) -> Replacement | None:
+    """How ``module`` was built, if modelpatch built it as a replacement; else ``None``."""
+    return getattr(module, "__dict__", {}).get(_PROVENANCE_ATTR)
+
+
+def set_provenance(module: object, record: Replacement) -> None:
+    object.__setattr__(module, _PROVENANCE_ATTR, record)
+
+
+def build_record(model: object) -> BuildRecord | None:
+    """The :class:`BuildRecord` of a model built while patch scopes were active; else ``None``."""
+    return getattr(model, "__dict__", {}).get(_BUILD_ATTR)
+
+
+def set_build_record(model: object, record: BuildRecord) -> None:
+    object.__setattr__(model, _BUILD_ATTR, record)

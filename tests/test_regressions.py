@@ -1,0 +1,191 @@
+"""Failing inputs found by trying the product as a user would; each stays as a test."""
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import GPT2Config, GPT2Model, LlamaForCausalLM, LlamaModel, MistralConfig, MistralModel
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.pytorch_utils import Conv1D
+
+from helpers import INPUT_IDS, save_tiny, tiny_llama_config
+from modelpatch import (
+    OutputRecorder,
+    UnmatchedPatchKeyError,
+    apply_patches,
+    patch_report,
+    register_output_recorder,
+    register_patch_mapping,
+    set_strict_patching,
+    unregister_output_recorder,
+)
+
+
+class QuietMLP(modeling_llama.LlamaMLP):
+    pass
+
+
+class DecoderLayer(modeling_llama.LlamaDecoderLayer):
+    pass
+
+
+class Attention(modeling_llama.LlamaAttention):
+    pass
+
+
+def mistral_config():
+    kwargs = {k: v for k, v in tiny_llama_config().to_dict().items() if k in MistralConfig().to_dict()}
+    return MistralConfig(mlp_bias=False, **kwargs)  # mlp_bias: LlamaMLP reads it when swapped in
+
+
+def test_a_replacement_class_can_itself_be_patched():
+    # a library maps MistralMLP -> LlamaMLP; the user's LlamaMLP patch must still apply to Llama
+    with apply_patches({"MistralMLP": modeling_llama.LlamaMLP, "LlamaMLP": QuietMLP}) as scope:
+        model = LlamaModel(tiny_llama_config())
+    assert type(model.layers[0].mlp) is QuietMLP
+    assert scope.fired == {"LlamaMLP": 2}
+
+
+def test_swapping_two_classes():
+    mapping = {"LlamaMLP": modeling_mistral.MistralMLP, "MistralMLP": modeling_llama.LlamaMLP}
+    with apply_patches(mapping):
+        llama = LlamaModel(tiny_llama_config())
+        mistral = MistralModel(mistral_config())
+    assert type(llama.layers[0].mlp) is modeling_mistral.MistralMLP
+    assert type(mistral.layers[0].mlp) is modeling_llama.LlamaMLP
+
+
+def test_no_false_conflict_when_container_replacement_builds_the_inner_class(caplog):
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        with apply_patches({"LlamaDecoderLayer": DecoderLayer, "LlamaAttention": Attention}) as scope:
+            model = LlamaModel(tiny_llama_config())
+    assert type(model.layers[0]) is DecoderLayer and type(model.layers[0].self_attn) is Attention
+    assert scope.fired == {"LlamaDecoderLayer": 2, "LlamaAttention": 2}
+    assert patch_report(model).conflicts == []
+    assert "container" not in caplog.text
+
+
+def test_block_outranking_registry_key_is_not_a_typo(tmp_path, caplog):
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    register_patch_mapping({"LlamaAttention": Attention})
+    set_strict_patching(True)
+
+    class BlockAttention(modeling_llama.LlamaAttention):
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        with apply_patches({"LlamaAttention": BlockAttention}, strict=True):
+            model = LlamaForCausalLM.from_pretrained(tmp_path)  # strict registry: must not raise
+    assert type(model.model.layers[0].self_attn) is BlockAttention
+    assert "matched no class" not in caplog.text
+    assert patch_report(model).unmatched_keys == []
+
+
+def test_pattern_outranked_by_exact_key_is_not_unmatched():
+    with apply_patches({"LlamaAttention": Attention, ".*Attention$": Attention}, strict=True) as scope:
+        LlamaModel(tiny_llama_config())
+    assert scope.unmatched_keys == () and scope.outranked_keys == (".*Attention$",)
+
+
+def test_identifier_key_hint_for_substring(caplog):
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        with apply_patches({"Attention": Attention}):
+            LlamaModel(tiny_llama_config())
+    assert "'.*Attention'" in caplog.text
+
+
+def test_apply_patches_as_decorator():
+    @apply_patches({"LlamaAttention": Attention})
+    def build():
+        return LlamaModel(tiny_llama_config())
+
+    assert type(build().layers[0].self_attn) is Attention
+    assert type(build().layers[1].self_attn) is Attention  # a fresh scope per call
+    assert type(LlamaModel(tiny_llama_config()).layers[0].self_attn) is modeling_llama.LlamaAttention
+
+
+def test_gpt2_conv1d_is_patchable():
+    class QuantConv1D(Conv1D):
+        pass
+
+    register_patch_mapping({"Conv1D": QuantConv1D})
+    with apply_patches():
+        model = GPT2Model(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64))
+    assert type(model.h[0].attn.c_attn) is QuantConv1D
+
+
+def test_replacement_with_wrong_signature_names_both_classes():
+    class NoLayerIdx(nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+
+    with pytest.raises(TypeError) as info:
+        with apply_patches({"LlamaAttention": NoLayerIdx}):
+            LlamaModel(tiny_llama_config())
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "NoLayerIdx" in notes and "LlamaAttention" in notes
+
+
+# -- recorders -------------------------------------------------------------------------------------
+
+
+def eager_llama():
+    config = tiny_llama_config()
+    config._attn_implementation = "eager"
+    return LlamaModel(config)
+
+
+def test_builtin_recorder_name_is_rejected():
+    model = eager_llama()
+    for name in ("hidden_states", "attentions"):
+        with pytest.raises(ValueError, match=name):
+            register_output_recorder(model, name, modeling_llama.LlamaMLP)
+    assert len(model(INPUT_IDS, output_hidden_states=True).hidden_states) == 3
+
+
+def test_reregistering_needs_overwrite_and_replaces_hooks():
+    model = eager_llama()
+    register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaMLP, index=0))
+    assert [t.shape for t in model(INPUT_IDS, output_x=True).x] == [(1, 8, 64)] * 2
+    with pytest.raises(ValueError, match="overwrite"):
+        register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaAttention, index=1))
+    register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaAttention, index=1), overwrite=True)
+    assert [t.shape for t in model(INPUT_IDS, output_x=True).x] == [(1, 4, 8, 8)] * 2
+    unregister_output_recorder(model, "x")
+    assert not hasattr(model(INPUT_IDS).__class__, "x")
+    with pytest.raises(KeyError):
+        unregister_output_recorder(model, "x")
+
+
+def test_class_level_recorder_reaches_instances_already_used():
+    used = eager_llama()
+    used(INPUT_IDS, output_hidden_states=True)  # Transformers installs its hooks now
+
+    class MyLlama(LlamaModel):
+        pass
+
+    register_output_recorder(LlamaModel, "mlp_out", OutputRecorder(modeling_llama.LlamaMLP, index=0))
+    try:
+        assert len(used(INPUT_IDS, output_mlp_out=True).mlp_out) == 2
+        assert len(eager_llama()(INPUT_IDS, output_mlp_out=True).mlp_out) == 2
+    finally:
+        unregister_output_recorder(LlamaModel, "mlp_out")
+    assert "mlp_out" not in used(INPUT_IDS)
+
+
+def test_recorders_and_report_survive_deepcopy_and_pickle():
+    with apply_patches({"LlamaMLP": QuietMLP, "LlamaMLq": QuietMLP}):
+        model = LlamaModel(tiny_llama_config())
+    register_output_recorder(model, "mlp_out", OutputRecorder(QuietMLP, index=0))
+    clones = (copy.deepcopy(model), pickle.loads(pickle.dumps(model)))  # before Transformers' own hooks exist
+    expected = model(INPUT_IDS, output_mlp_out=True).mlp_out
+    for clone in clones:
+        got = clone(INPUT_IDS, output_mlp_out=True).mlp_out
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, expected))
+        report = patch_report(clone)
+        assert [r.path for r in report.rows] == ["layers.0.mlp", "layers.1.mlp"]
+        assert report.unmatched_keys == ["LlamaMLq"]
