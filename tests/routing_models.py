@@ -15,17 +15,23 @@ REQUIRED_FAMILIES = [
 _TINY = dict(
     hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-    max_position_embeddings=256, num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8,
+    max_position_embeddings=256, expert_ffn_hidden_size=32, ffn_hidden_size=64, num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8,
     num_experts_per_tok=2, moe_topk=2, top_k=2, moe_k=2, n_shared_experts=1, n_group=2, topk_group=1,
     first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
     v_head_dim=16, qk_head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-    linear_num_value_heads=2, sliding_window=None, tie_word_embeddings=False, pad_token_id=0,
+    linear_num_value_heads=2, tie_word_embeddings=False, pad_token_id=0,
     bos_token_id=1, eos_token_id=2, decoder_start_token_id=None, use_cache=True,
 )
 _PER_FAMILY = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
                   mamba_d_state=4, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "attention"], mamba_n_heads=4, mamba_d_head=32,
+                             mamba_d_state=8, mamba_n_groups=1, mamba_expand=2),
+    "flint": dict(mlp_only_layers=[0]),
+    "beam": dict(mlp_layer_types=["dense", "sparse"]),
+    "kimi_linear": dict(linear_head_dim=16, linear_num_heads=4),
+    "mistral4": dict(head_dim=16, num_key_value_heads=4),
     "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=16),
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
     "qwen2_moe": dict(decoder_sparse_step=1, mlp_only_layers=[]),
@@ -37,9 +43,20 @@ def tiny_config(model_type: str, **overrides):
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     kwargs = {k: v for k, v in {**_TINY, **_PER_FAMILY.get(model_type, {})}.items() if k in default.to_dict()}
-    if "qk_rope_head_dim" in kwargs:  # MLA attention: rotary dims are the rope part of the head
+    if isinstance(getattr(default, "sliding_window", None), int):
+        kwargs["sliding_window"] = 16
+    types = getattr(default, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types and "layer_types" not in kwargs and "layer_types" in default.to_dict():
+        # keep the family's mix of layer types, with at least one full-attention layer last
+        n = kwargs.get("num_hidden_layers", 2)
+        kinds = list(dict.fromkeys(types))
+        full = next((t for t in kinds if "full" in t or t == "attention"), kinds[-1])
+        other = next((t for t in kinds if t != full), full)
+        kwargs["layer_types"] = [other] * (n - 1) + [full]
+    if "qk_rope_head_dim" in kwargs and "head_dim" not in _PER_FAMILY.get(model_type, {}):  # MLA attention
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    kwargs.update({k: v for k, v in _PER_FAMILY.get(model_type, {}).items() if k in default.to_dict() or k == "layer_types"})
     kwargs.update(overrides)
     cfg = cls(**kwargs)
     cfg._attn_implementation = "eager"
@@ -52,6 +69,68 @@ def tiny_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with torch.no_grad():  # routers start near uniform: spread their logits so routing is clear-cut
         for name, module in model.named_modules():
-            if type(module).__name__.endswith("Router") and isinstance(getattr(module, "weight", None), torch.Tensor):
-                module.weight.normal_(0, 0.5)
+            if type(module).__name__.endswith("Router"):
+                router_weight(module).normal_(0, 0.5)
     return model.eval()
+
+
+class ExpertsObserver:
+    """Independent witness: a forward pre-hook on every experts module records the expert indices and weights
+    the experts were actually called with, keyed by decoder layer index (list of calls per layer)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._handles = []
+        for name, module in model.named_modules():
+            cls = type(module).__name__
+            if cls.endswith("Experts") and not name.rsplit(".", 1)[-1].startswith("shared") and ".layers." in f".{name}":
+                layer = int(name.split("layers.")[1].split(".")[0])
+                self._handles.append(module.register_forward_pre_hook(self._hook(layer), with_kwargs=True))
+
+    def _hook(self, layer):
+        def hook(module, args, kwargs):
+            vals = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+            idx = next((v for v in vals if isinstance(v, torch.Tensor) and not v.is_floating_point()), None)
+            w = next((v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+            if idx is None and len(args) == 1 and hasattr(module, "num_experts"):
+                # dense dispatch (Llama 4): input (num_experts * tokens, hidden), rows of unused experts are 0
+                x = args[0].reshape(module.num_experts, -1, args[0].shape[-1])
+                used = (x != 0).any(-1).T  # (tokens, num_experts)
+                k = int(used.sum(-1).max())
+                idx = used.float().topk(k, dim=-1).indices.sort(dim=-1).values
+                w = used.float()
+            if idx is None or w is None:  # not a routed-experts call
+                return
+            self.calls.setdefault(layer, []).append((idx.detach().clone(), w.detach().clone()))
+
+        return hook
+
+    def indices(self, layer: int, call: int = -1) -> torch.Tensor:
+        return self.calls[layer][call][0]
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def router_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The projection weight of a router (``weight``, or the first 2-D parameter, e.g. ``classifier.weight``)."""
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return w
+    return next(p for p in module.parameters() if p.dim() == 2)
+
+
+def perturb_routers(model: torch.nn.Module, seed: int = 1, scale: float = 2.0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith(("Router", "Gate", "Gating")) and hasattr(module, "top_k"):
+                w = router_weight(module)
+                w.add_(torch.randn(w.shape, generator=g) * scale)

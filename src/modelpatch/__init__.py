@@ -1,12 +1,34 @@
 """modelpatch: change the structure of 🤗 Transformers models without editing modeling code.
 
-Swap module classes while a model is built (exact class name or regex keys), see what changed, and keep
-output capture working on replacement classes. Importing modelpatch installs thin wrappers on
+Swap module classes while a model is built (exact class name or regex keys), convert checkpoint weights
+to the new layout on load and back on save, see what changed, keep output capture working on
+replacement classes, and record/replay MoE routing (:mod:`modelpatch.routing`). Importing modelpatch installs thin wrappers on
 ``PreTrainedModel`` (see :mod:`modelpatch.integration`) so the registry applies to every
 ``from_pretrained``/``from_config`` build; nothing else in the process is changed.
 """
 
 from .conflicts import Conflict
+from .conversion import (
+    Chunk,
+    Concatenate,
+    ConversionError,
+    ConversionRow,
+    ConversionShapeError,
+    MergeModulelist,
+    SplitModulelist,
+    Transpose,
+    WeightConverter,
+    WeightRenaming,
+    bind_conversion_rules,
+    clear_checkpoint_conversion_mappings,
+    conversion_report,
+    conversion_rules,
+    convert_checkpoint,
+    get_checkpoint_conversion_mapping,
+    load_converted_state_dict,
+    register_checkpoint_conversion_mapping,
+    unregister_checkpoint_conversion_mapping,
+)
 from .integration import install as _install
 from .recorders import OutputRecorder, patch_output_recorders, register_output_recorder, unregister_output_recorder
 from .registry import (
@@ -42,4 +64,24 @@ __all__ = [
     "PatchReport",
     "PatchRow",
     "Conflict",
+    # checkpoint weight conversion
+    "WeightConverter",
+    "WeightRenaming",
+    "Chunk",
+    "Concatenate",
+    "MergeModulelist",
+    "SplitModulelist",
+    "Transpose",
+    "ConversionError",
+    "ConversionShapeError",
+    "ConversionRow",
+    "register_checkpoint_conversion_mapping",
+    "get_checkpoint_conversion_mapping",
+    "unregister_checkpoint_conversion_mapping",
+    "clear_checkpoint_conversion_mappings",
+    "conversion_rules",
+    "conversion_report",
+    "load_converted_state_dict",
+    "convert_checkpoint",
+    "bind_conversion_rules",
 ]

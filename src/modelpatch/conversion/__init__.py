@@ -8,6 +8,7 @@ model's parameter layout on load, and back to the original layout on save. Modul
 ``engine``    grouping, meta dry run, lazy conversion ``loading``   ``from_pretrained`` integration
 ``saving``    ``save_pretrained`` reverse             ``hooks``     the only wrappers of Transformers functions
 ``manual``    :func:`load_converted_state_dict`       ``offline``   :func:`convert_checkpoint`
+``io``        lazy safetensors checkpoint access         ``state``     per-model conversion state
 ``report``    :func:`conversion_report`               ``reference`` shapes used to split fused tensors exactly
 """
 
@@ -25,6 +26,7 @@ from .registry import (
 )
 from .report import conversion_report
 from .rules import WeightConverter, WeightRenaming
+from .saving import bind_conversion_rules
 
 __all__ = [
     "Chunk",
@@ -37,6 +39,7 @@ __all__ = [
     "Transpose",
     "WeightConverter",
     "WeightRenaming",
+    "bind_conversion_rules",
     "clear_checkpoint_conversion_mappings",
     "conversion_report",
     "conversion_rules",

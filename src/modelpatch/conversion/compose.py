@@ -48,17 +48,18 @@ def resolve_model_rules(model) -> ResolvedRules | None:
     claimed: dict[str, list[str]] = {}
     for module_name, sub in _submodels(model):
         class_name, model_type = type(sub).__name__, getattr(sub.config, "model_type", None)
-        ruleset = None
-        for ident in (class_name, model_type):
-            found = registry.lookup(ident)
-            if found is not None:
-                ruleset = found
-                break
-        if ruleset is None or any(
-            seen == "" or module_name.startswith(seen + ".") for seen in claimed.get(ruleset.name, [])
+        if any(
+            seen == "" or module_name.startswith(seen + ".")
+            for ident in (class_name, model_type)
+            for seen in claimed.get(ident, [])
         ):
+            continue  # an ancestor's rules (class-name or model_type entry) already cover this subtree
+        ruleset = registry.lookup(class_name) or registry.lookup(model_type)
+        if ruleset is None:
             continue
-        claimed.setdefault(ruleset.name, []).append(module_name)
+        # A class-name entry wins over the model_type entry for the whole subtree of that model.
+        for ident in {ruleset.name, model_type} - {None}:
+            claimed.setdefault(ident, []).append(module_name)
         scope = _scope_of(model, module_name)
         for rule in ruleset.fresh_rules():
             if scope is not None:

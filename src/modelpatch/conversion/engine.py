@@ -46,6 +46,16 @@ class ConversionRow:
     source_keys: tuple[str, ...]
     target_keys: tuple[str, ...]
 
+    def as_dict(self) -> dict:
+        """Plain JSON-friendly dict (keys as lists)."""
+        return {
+            "direction": self.direction,
+            "registered_as": self.registered_as,
+            "rule": self.rule,
+            "source_keys": list(self.source_keys),
+            "target_keys": list(self.target_keys),
+        }
+
 
 def shape_of(obj) -> tuple[int, ...]:
     """Shape of a tensor, a safetensors slice or a :class:`LazyConverted`, without reading data."""
@@ -78,14 +88,30 @@ class _Group:
     sources: dict = field(default_factory=lambda: defaultdict(list))
 
     def source_keys(self) -> tuple[str, ...]:
-        return tuple(k for items in self.sources.values() for k, _ in items)
+        """Checkpoint keys of the group, in the rule's source-pattern order."""
+        if self.sources is None:
+            return ()
+        order = [p for p in self.rule.source_patterns if p in self.sources]
+        return tuple(k for p in order for k, _ in self.sources[p])
 
 
-def _run_group(group: _Group, collected: dict, reference_shapes) -> dict[str, torch.Tensor]:
+def _dry_signature(group: _Group, reference_shapes) -> tuple:
+    """Everything the output shapes of a group depend on (the rule, source shapes/dtypes, reference sizes)."""
+    sources = tuple((p, tuple((shape_of(o), _dtype_of(o)) for _, o in items)) for p, items in group.sources.items())
+    targets = getattr(group.rule, "target_patterns", ())
+    references = tuple(
+        reference_shapes.get(group.prefix + t + group.suffix) if reference_shapes is not None else None for t in targets
+    )
+    return (id(group.rule), sources, references)
+
+
+def _run_group(group: _Group, collected: dict, reference_shapes, with_names: bool = True) -> dict[str, torch.Tensor]:
+    """Run the group's rule. Keys are full names, or (``with_names=False``) relative to ``group.prefix/suffix``."""
     rule = group.rule
     if not isinstance(rule, _tcml.WeightConverter):
         (tensors,) = collected.values()
-        return {group.key: tensors[0]}
+        key = group.key if with_names else group.key[len(group.prefix): len(group.key) - len(group.suffix)]
+        return {key: tensors[0]}
     tensors = collected
     for op in rule.operations:
         try:
@@ -102,7 +128,8 @@ def _run_group(group: _Group, collected: dict, reference_shapes) -> dict[str, to
             raise
         except Exception as exc:
             raise ConversionError(f"{op!r} of {rule!r} failed on '{group.key}' (from {group.source_keys()}): {exc}") from exc
-    return {group.prefix + k + group.suffix: (v[0] if isinstance(v, list) else v) for k, v in tensors.items()}
+    prefix, suffix = (group.prefix, group.suffix) if with_names else ("", "")
+    return {prefix + k + suffix: (v[0] if isinstance(v, list) else v) for k, v in tensors.items()}
 
 
 class _GroupRunner:
@@ -155,6 +182,7 @@ class Plan:
     reverse: bool
     renamings: list
     produced: dict = field(default_factory=dict)
+    references: object = None
 
     def _finish_name(self, name: str) -> str:
         if not self.reverse:
@@ -171,22 +199,30 @@ class Plan:
         Raises:
             ConversionError: an operation cannot be applied, or two groups produce the same key.
         """
-        out = {}
+        self.references = reference_shapes  # reused by lazy_outputs: real tensors are split like the dry run
+        out, cache = {}, {}
         for group in self.groups.values():
-            collected = {
-                p: [torch.empty(shape_of(o), dtype=_dtype_of(o), device="meta") for _, o in items]
-                for p, items in group.sources.items()
-            }
-            for name, tensor in _run_group(group, collected, reference_shapes).items():
-                name = self._finish_name(name)
+            signature = _dry_signature(group, reference_shapes)
+            if signature not in cache:  # layers of one model usually share shapes: run the meta ops once per shape
+                collected = {
+                    p: [torch.empty(shape_of(o), dtype=_dtype_of(o), device="meta") for _, o in items]
+                    for p, items in group.sources.items()
+                }
+                raw = _run_group(group, collected, reference_shapes, with_names=False)
+                cache[signature] = [(k, tuple(t.shape), t.dtype) for k, t in raw.items()]
+            for raw_key, shape, dtype in cache[signature]:
+                name = self._finish_name(group.prefix + raw_key + group.suffix)
                 if name in out or name in self.passthrough:
                     raise ConversionError(f"{group.rule!r} produces '{name}', which another key/rule also produces")
-                out[name] = (tuple(tensor.shape), tensor.dtype, group)
+                out[name] = (shape, dtype, group)
         return out
 
-    def lazy_outputs(self, dry: dict, reference_shapes=None) -> dict[str, LazyConverted]:
-        """Lazy placeholders for every converted key (one shared runner per group)."""
-        runners = {id(g): _GroupRunner(g, reference_shapes) for g in self.groups.values()}
+    def lazy_outputs(self, dry: dict) -> dict[str, LazyConverted]:
+        """Lazy placeholders for every converted key of a forward plan (one shared runner per group), converted
+        with the reference shapes given to :meth:`dry_run`."""
+        if self.reverse:
+            raise ConversionError("lazy conversion is only available for loading (reverse=False)")
+        runners = {id(g): _GroupRunner(g, self.references) for g in self.groups.values()}
         return {name: LazyConverted(runners[id(g)], name, shape, dtype) for name, (shape, dtype, g) in dry.items()}
 
     def convert_all(self, reference_shapes=None, materialize_passthrough: bool = False) -> dict:

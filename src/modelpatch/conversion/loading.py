@@ -68,7 +68,8 @@ def prepare(model, items, resolved: ResolvedRules):
         if tuple(shape) != model_shapes[key]:
             raise ConversionShapeError(key, shape, model_shapes[key], repr(group.rule))
     recorded = {k: shape_of(o) for g in plan.groups.values() for items_ in g.sources.values() for k, o in items_}
-    state = ConversionState(resolved.rules, resolved.owner, recorded, plan.rows("load", resolved.owner, dry))
+    fired = [rule for rule in resolved.rules if id(rule) in plan.fired]  # only these are reversed on save
+    state = ConversionState(fired, resolved.owner, recorded, plan.rows("load", resolved.owner, dry))
     return plan, dry, state
 
 

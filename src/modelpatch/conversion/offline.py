@@ -12,7 +12,6 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
 from .engine import ConversionRow, build_plan, load_tensor
@@ -23,8 +22,6 @@ from .registry import get_checkpoint_conversion_mapping
 from .rules import as_modelpatch_rule
 
 __all__ = ["convert_checkpoint"]
-
-logger = logging.get_logger("modelpatch.conversion")
 
 
 def _config_reference_shapes(src: str) -> dict:

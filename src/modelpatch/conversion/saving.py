@@ -21,8 +21,11 @@ def reverse_state_dict(model, state_dict: dict, state: ConversionState) -> dict:
     Raises:
         ConversionError: a fused tensor cannot be split back unambiguously, or a group is incomplete.
     """
+    # Converters keep their load priority (the rule that won a key at load wins it back); renamings undo in reverse.
+    converters = [r for r in state.rules if isinstance(r, _tcml.WeightConverter)]
+    renamings = [r for r in state.rules if not isinstance(r, _tcml.WeightConverter)]
     reversed_rules, owner = [], {}
-    for rule in state.rules[::-1]:
+    for rule in converters + renamings[::-1]:
         reverse = rule.reverse_transform()
         reversed_rules.append(reverse)
         owner[id(reverse)] = state.owner.get(id(rule))
@@ -52,3 +55,18 @@ def revert_to_original_layout(model, state_dict: dict, original) -> dict:
         if restore:
             model._weight_conversions = None
     return reverse_state_dict(model, state_dict, state)
+
+
+def bind_conversion_rules(model) -> bool:
+    """Attach the user rules in effect now to ``model`` (e.g. one built by ``from_config`` inside a scoped block), so
+    that ``save_pretrained`` writes the original layout even after the block has exited. Models loaded by
+    ``from_pretrained`` with rules are bound automatically. Returns whether any rule was bound."""
+    from .state import set_state
+
+    if get_state(model) is not None:
+        return True
+    resolved = resolve_model_rules(model)
+    if resolved is None:
+        return False
+    set_state(model, ConversionState(resolved.rules, resolved.owner))
+    return True

@@ -46,7 +46,7 @@ def _merge_forced(natural: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
     forced = forced.to(natural.device)
     free = forced[..., :1] < 0
     if not bool(free.any()):
-        return forced
+        return forced.clone()  # the family's code owns its indices; never hand out the trace's storage
     return torch.where(free, natural, forced)
 
 
@@ -165,11 +165,9 @@ class SparseMixerSelection(RouterKind):
             return out
         if site.top_k != 2:
             raise RouterContractError(f"layer {site.layer_idx}: sparsemixer routes top-2, router has top_k={site.top_k}")
-        modeling = sys.modules[type(router).__module__] if "modeling_" in type(router).__module__ else None
-        for cls in type(router).__mro__:  # FSDP2 wraps the class in a dynamic subclass
-            if "modeling_" in cls.__module__:
-                modeling = sys.modules[cls.__module__]
-                break
+        # PhimoeMultiplier (the training-time gradient estimator) lives in the router's modeling module; look
+        # through a dynamic subclass (FSDP2) to find it.
+        modeling = next(sys.modules[c.__module__] for c in type(router).__mro__ if "modeling_" in c.__module__)
         forced = forced.to(router.weight.device)
         free = forced[:, :1] < 0
         if bool(free.any()):

@@ -10,6 +10,9 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 __all__ = ["Slot", "ForwardLayout", "layout_from_call"]
 
@@ -94,6 +97,11 @@ def layout_from_call(module: torch.nn.Module, args: tuple, kwargs: dict, sig=Non
         valid = mask[:, -seq_len:].bool()
         if bool(valid.all()):
             valid = None
+    elif isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        logger.warning_once(
+            f"routing: {mask.dim()}-D attention_mask given to {type(module).__name__}; padding cannot be read from "
+            "it, so every position of every row is treated as a token of its sequence"
+        )
 
     pos = bound.get("position_ids")
     if isinstance(pos, torch.Tensor) and pos.dim() == 3:

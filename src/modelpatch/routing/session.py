@@ -14,15 +14,12 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from transformers.utils import logging
 
 from .layout import ForwardLayout, _signature_binder, layout_from_call
 from .sites import RouterSite, find_router_sites, stack_owner
 from .trace import RoutingTrace, RoutingTraceError, _Block, compact_dtype
 
 __all__ = ["record_routing", "replay_routing", "RoutingReplayError"]
-
-logger = logging.get_logger(__name__)
 
 _MARK = "_modelpatch_routing_session"
 
@@ -40,6 +37,8 @@ class _Session:
     def __init__(self, model: nn.Module, trace: RoutingTrace | None):
         self.sites, stack_name, self.num_hidden_layers = find_router_sites(model)
         self.owner = stack_owner(model, stack_name)
+        stack = model.get_submodule(stack_name)
+        self.layer_modules = {s.layer_idx: stack[s.layer_idx] for s in self.sites}
         self.replay = trace is not None
         self.layout: ForwardLayout | None = None
         self.recompute: dict[int, list[torch.Tensor]] = {s.layer_idx: [] for s in self.sites}
@@ -70,8 +69,8 @@ class _Session:
             layer = s.layer_idx
             if trace.top_k[layer] != s.top_k:
                 raise RoutingTraceError(f"layer {layer}: expected top_k {s.top_k}, trace has {trace.top_k[layer]}")
-            seqs = trace[layer]
-            hi = max((int(t.max()) for t in seqs if t.numel()), default=-1)
+            seqs = trace._rows(layer)
+            hi = trace._max_id(layer)
             if hi >= s.num_experts:
                 raise RoutingTraceError(
                     f"layer {layer}: expected expert ids in [0, {s.num_experts}) or -1, received max id {hi}"
@@ -79,7 +78,7 @@ class _Session:
             device = next(iter(s.module.parameters()), torch.empty(0)).device
             if device.type == "meta":
                 device = torch.device("cpu")
-            self.rows[layer] = [t.to(device) for t in seqs]
+            self.rows[layer] = [t.to(device) for t in seqs]  # no copy on the same device; never modified
         self.lengths = trace.sequence_lengths
         self.cursor = [0] * len(self.lengths)
         self.closed = [False] * len(self.lengths)
@@ -185,6 +184,14 @@ class _Session:
             self.layout = None
         return None
 
+    def _checkpointed(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` runs under activation checkpointing (Transformers'
+        ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable``, or a ``CheckpointWrapper``)."""
+        layer = self.layer_modules[layer_idx]
+        if not layer.training:
+            return False
+        return bool(getattr(layer, "gradient_checkpointing", False)) or "checkpoint" in type(layer).__name__.lower()
+
     def _router_call(self, site: RouterSite, forward, args, kwargs):
         hidden = args[0] if args else next(iter(kwargs.values()))
         num_tokens = hidden.numel() // hidden.shape[-1]
@@ -198,13 +205,14 @@ class _Session:
             if match is None:
                 raise RoutingReplayError(
                     f"layer {site.layer_idx}: recomputed forward (activation checkpointing) found no replayed "
-                    f"routes of {num_tokens} tokens to reuse"
+                    f"routes of {num_tokens} tokens to reuse; enable checkpointing with "
+                    "model.gradient_checkpointing_enable() (or a CheckpointWrapper) so replay can keep them"
                 )
-            forced = stack.pop(match)
+            forced = stack.pop(match).to(torch.int64)
         else:
             forced = self._forced(site, num_tokens)
-            if site.module.training or torch.is_grad_enabled():
-                stack.append(forced)
+            if self._checkpointed(site.layer_idx):  # its backward will recompute this forward: keep the indices
+                stack.append(forced.to(compact_dtype(site.num_experts)) if not bool((forced < 0).any()) else forced)
         return site.kind.call(site, forward, args, kwargs, forced, lambda idx: None)
 
     # -- install / remove -------------------------------------------------------------------------------------

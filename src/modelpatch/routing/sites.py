@@ -8,6 +8,7 @@ the decoder layer it belongs to, its number of experts, its top-k and the *kind*
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,8 @@ from .kinds import RouterKind, kind_for_family
 
 __all__ = ["RouterSite", "find_router_sites", "RoutingDiscoveryError"]
 
-_EXPERT_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+# n_routed_experts first: LongCat counts its zero-computation experts there, and its top-k runs over them too
+_EXPERT_ATTRS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk", "moe_k", "k")
 _LAYER_RE = re.compile(r"^(?P<stack>(?:.*\.)?[A-Za-z_]\w*)\.(?P<idx>\d+)(?:\.|$)")
 
@@ -62,8 +64,26 @@ def _family_of(cls: type) -> str:
     return m.group(1) if m else cls.__module__
 
 
+_ROUTER_SUFFIXES = ("Router", "Gate", "Gating")
+
+
 def _is_router_class(cls: type) -> bool:
-    return cls.__name__.endswith("Router") and cls.__module__.startswith("transformers.models.")
+    # "Router" classes must be routers; "Gate"/"Gating" classes (HunYuan, JetMoE) count only when they carry a
+    # top-k and a number of experts (checked in _discover).
+    return cls.__name__.endswith(_ROUTER_SUFFIXES) and cls.__module__.startswith("transformers.models.")
+
+
+_ROUTER_BASE: dict[type, type | None] = {}
+_SITES_CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _router_base(cls: type) -> type | None:
+    """The Transformers router class of ``cls`` (through FSDP2's dynamic subclass), memoised per class."""
+    try:
+        return _ROUTER_BASE[cls]
+    except KeyError:
+        base = _ROUTER_BASE[cls] = next((c for c in cls.__mro__ if _is_router_class(c)), None)
+        return base
 
 
 def find_router_sites(model: nn.Module) -> tuple[list[RouterSite], str, int]:
@@ -80,22 +100,42 @@ def find_router_sites(model: nn.Module) -> tuple[list[RouterSite], str, int]:
         RoutingDiscoveryError: no router found, routers spread over several layer stacks, two routers in the
             same decoder layer, or a router whose number of experts / top-k cannot be read.
     """
+    cached = _SITES_CACHE.get(model)
+    if cached is not None:
+        sites = cached[0]
+        try:  # still the same routers at the same places (cheap: one lookup per router)?
+            if all(model.get_submodule(s.name) is s.module and _router_base(type(s.module)) for s in sites):
+                return list(sites), cached[1], cached[2]
+        except AttributeError:
+            pass
+    result = _discover(model)
+    _SITES_CACHE[model] = (tuple(result[0]), result[1], result[2])
+    return result
+
+
+def _discover(model: nn.Module) -> tuple[list[RouterSite], str, int]:
     sites: list[RouterSite] = []
     stacks: set[str] = set()
     for name, module in model.named_modules():
-        cls = type(module)
         # FSDP2 swaps in a dynamic subclass: look through it to the Transformers class.
-        base = next((c for c in cls.__mro__ if _is_router_class(c)), None)
+        base = _router_base(type(module))
         if base is None:
             continue
         m = _LAYER_RE.match(name)
         if m is None:
             raise RoutingDiscoveryError(f"router {name!r} ({base.__name__}) is not inside a numbered layer stack")
-        weight = getattr(module, "weight", None)
         num_experts = _first_int_attr(module, _EXPERT_ATTRS)
-        if num_experts is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            num_experts = weight.shape[0]
+        if num_experts is None:  # fall back to the router projection's output size
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor):
+                weight = getattr(getattr(module, "classifier", None), "weight", None)
+            if not isinstance(weight, torch.Tensor):
+                weight = getattr(getattr(module, "layer", None), "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                num_experts = int(weight.shape[0])
         top_k = _first_int_attr(module, _TOP_K_ATTRS)
+        if (num_experts is None or top_k is None) and not base.__name__.endswith("Router"):
+            continue  # a gate that is not a top-k router
         if num_experts is None or top_k is None:
             raise RoutingDiscoveryError(
                 f"router {name!r} ({base.__name__}): cannot read its number of experts and top-k "
@@ -108,7 +148,8 @@ def find_router_sites(model: nn.Module) -> tuple[list[RouterSite], str, int]:
         )
     if not sites:
         raise RoutingDiscoveryError(
-            f"{type(model).__name__} has no top-k router module (a Transformers class whose name ends in 'Router')"
+            f"{type(model).__name__} has no top-k router module (a Transformers class named *Router, or *Gate / "
+            "*Gating with top_k and num_experts attributes)"
         )
     if len(stacks) > 1:
         raise RoutingDiscoveryError(f"routers found in several layer stacks {sorted(stacks)}; only one is supported")

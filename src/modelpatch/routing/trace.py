@@ -153,6 +153,7 @@ class RoutingTrace:
                 raise RoutingTraceError(f"layer {layer}: num_experts and top_k must both be given")
         self.num_hidden_layers = num_hidden_layers
         self._blocks: dict[int, list[list[_Block]]] = {layer: [] for layer in layers}
+        self._decoded: dict[int, list[torch.Tensor]] = {}
         for layer in layers:
             for seq, idx in enumerate(routes.get(layer, [])):
                 self._append(layer, seq, torch.as_tensor(idx), validate=True)
@@ -162,6 +163,7 @@ class RoutingTrace:
     def _append(self, layer: int, seq: int, idx: torch.Tensor, validate: bool) -> None:
         if validate:
             idx = _check_rows(idx, layer, seq, self.num_experts[layer], self.top_k[layer])
+        self._decoded.clear()
         seqs = self._blocks[layer]
         while len(seqs) <= seq:
             seqs.append([])
@@ -183,11 +185,12 @@ class RoutingTrace:
         return [sum(b.rows for b in blocks) for blocks in self._blocks[layer]]
 
     def _consolidate(self) -> None:
-        for seqs in self._blocks.values():
+        for layer, seqs in self._blocks.items():
             for i, blocks in enumerate(seqs):
                 if len(blocks) > 1 or (blocks and blocks[0].ids.device.type != "cpu"):
                     idx = torch.cat([b.decode().cpu() for b in blocks]) if blocks else None
                     seqs[i] = [_Block.encode(idx, blocks[0].ids.dtype)]
+                    self._decoded.pop(layer, None)
 
     # -- reading --------------------------------------------------------------------------------------------
     @property
@@ -208,11 +211,24 @@ class RoutingTrace:
         """``[LongTensor (num_tokens, top_k) per sequence]`` of decoder layer ``layer_idx``."""
         if layer_idx not in self._blocks:
             raise KeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
-        self._consolidate()
-        return [
-            (blocks[0].decode() if blocks else torch.empty(0, self.top_k[layer_idx], dtype=torch.int64))
-            for blocks in self._blocks[layer_idx]
-        ]
+        return [t.clone() for t in self._rows(layer_idx)]
+
+    def _rows(self, layer_idx: int) -> list[torch.Tensor]:
+        """Decoded int64 blocks of one layer, cached until the trace changes (callers must not modify them)."""
+        rows = self._decoded.get(layer_idx)
+        if rows is None or len(rows) != len(self._blocks[layer_idx]):
+            self._consolidate()
+            rows = self._decoded[layer_idx] = [
+                (blocks[0].decode() if blocks else torch.empty(0, self.top_k[layer_idx], dtype=torch.int64))
+                for blocks in self._blocks[layer_idx]
+            ]
+        return rows
+
+    def _max_id(self, layer_idx: int) -> int:
+        key = ("max", layer_idx)
+        if key not in self._decoded:
+            self._decoded[key] = max((int(t.max()) for t in self._rows(layer_idx) if t.numel()), default=-1)
+        return self._decoded[key]
 
     def __contains__(self, layer_idx: object) -> bool:
         return layer_idx in self._blocks
@@ -257,6 +273,13 @@ class RoutingTrace:
             f"RoutingTrace(layers={list(self.layers)}, sequences={self.num_sequences}, "
             f"tokens={self.sequence_lengths}, top_k={sorted(set(self.top_k.values()))}, "
             f"num_experts={sorted(set(self.num_experts.values()))})"
+        )
+
+    def select(self, sequences: Sequence[int]) -> "RoutingTrace":
+        """A trace holding only the given sequences, in the given order (e.g. one data-parallel rank's share)."""
+        routes = {layer: [self[layer][i] for i in sequences] for layer in self.layers}
+        return RoutingTrace(
+            routes, num_experts=self.num_experts, top_k=self.top_k, num_hidden_layers=self.num_hidden_layers
         )
 
     # -- multi-turn -----------------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""The ``modelpatch`` console script: ``verify``, ``explain``, ``convert``, ``recipes``.
+
+``main(argv=None) -> int`` parses ``argv`` (default ``sys.argv[1:]``), runs one subcommand and returns its exit
+status: 0 when every check passed, 1 when a check failed (:data:`~.errors.EXIT_FAILED_CHECK`), 2 for a usage error,
+a missing folder, a folder that is not a checkpoint, a patches file that raises, or an unknown recipe — printed as
+one line ``modelpatch: error: ...`` on stderr, never a traceback. ``modelpatch`` alone is ``modelpatch verify``.
+
+Subcommands live in their own modules (:mod:`.verify`, :mod:`.explain`, :mod:`.convert`); each exposes
+``add_parser(subparsers)`` and a ``main(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+from . import convert, explain, verify
+from .errors import EXIT_USAGE, CliError
+
+__all__ = ["main", "build_parser", "CliError"]
+
+
+def _list_recipes(args: argparse.Namespace) -> int:
+    from ..recipes import get_recipe, list_recipes
+    from .render import table
+
+    print(table(["recipe", "what it does"], [[name, get_recipe(name).description] for name in list_recipes()], indent=""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelpatch", description="Check, explain and convert patched Transformers models.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    verify.add_parser(subparsers)
+    explain.add_parser(subparsers)
+    convert.add_parser(subparsers)
+    recipes = subparsers.add_parser("recipes", help="list the ready-made recipes")
+    recipes.set_defaults(handler=_list_recipes)
+    return parser
+
+
+@contextmanager
+def _quiet_transformers():
+    """Transformers' progress bars and Transformers'/modelpatch's warnings off while a command runs (the command
+    reports its findings itself: unused keys, conflicts, rules that matched nothing); restored afterwards, so
+    ``main()`` can be called in-process."""
+    import logging as std_logging
+
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    bars = logging.is_progress_bar_enabled()
+    ours = std_logging.getLogger("modelpatch")
+    our_level = ours.level
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    ours.setLevel(std_logging.ERROR)
+    try:
+        yield
+    finally:
+        ours.setLevel(our_level)
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["verify", *argv]
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse already printed its one-line usage error
+        return int(exit_.code or 0) and EXIT_USAGE
+    try:
+        with _quiet_transformers():
+            return args.handler(args)
+    except CliError as error:
+        print(f"modelpatch: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # output piped into `head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("modelpatch: interrupted", file=sys.stderr)
+        return 130

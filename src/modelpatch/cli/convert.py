@@ -1,0 +1,65 @@
+"""``modelpatch convert SRC DST``: write a converted copy of a checkpoint (or, with ``--reverse``, the original
+layout back), streaming tensor by tensor through :func:`modelpatch.conversion.convert_checkpoint`.
+
+The rules are those a recipe or patches file brings for the checkpoint's ``model_type`` (``--model-type`` or
+``config.json``), composed with the built-in Transformers rules they do not replace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .errors import CliError
+from .render import table
+from .sources import resolve_patches
+
+__all__ = ["add_parser", "main"]
+
+
+def _model_type(src: str, given: str | None) -> str:
+    if given:
+        return given
+    folder = src if os.path.isdir(src) else os.path.dirname(src)
+    try:
+        with open(os.path.join(folder, "config.json")) as fh:
+            return json.load(fh)["model_type"]
+    except (OSError, KeyError, ValueError):
+        raise CliError(f"cannot read model_type from '{folder}/config.json'; pass --model-type") from None
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("convert", help="write a converted checkpoint (or the reverse)",
+                                   description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", metavar="SRC", help="checkpoint folder or .safetensors file")
+    parser.add_argument("dst", metavar="DST", help="output folder")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--recipe", metavar="NAME")
+    source.add_argument("--patches", metavar="MODULE_OR_FILE")
+    parser.add_argument("--model-type", metavar="NAME", help="registry name of the rules (default: config.json)")
+    parser.add_argument("--reverse", action="store_true", help="converted layout -> original layout")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..conversion import ConversionError, convert_checkpoint
+
+    if not os.path.exists(args.src):
+        raise CliError(f"source '{args.src}' does not exist")
+    recipe = resolve_patches(args.recipe, args.patches)
+    model_type = _model_type(args.src, args.model_type)
+    try:
+        with recipe.apply():
+            rows = convert_checkpoint(args.src, args.dst, model_type, reverse=args.reverse)
+    except ConversionError as exc:
+        raise CliError(str(exc).splitlines()[0]) from None
+    if args.json:
+        print(json.dumps([{"rule": r.rule, "source_keys": list(r.source_keys), "target_keys": list(r.target_keys)}
+                          for r in rows], indent=2))
+    else:
+        print(f"converted {args.src} -> {args.dst} ({model_type}, {'reverse' if args.reverse else 'forward'}): "
+              f"{len(rows)} group(s)")
+        print(table(["from", "to"], [[", ".join(r.source_keys), ", ".join(r.target_keys)] for r in rows]))
+    return 0

@@ -1,0 +1,142 @@
+"""``modelpatch explain``: what a recipe or patches file would do to a model, before any weight is read.
+
+The model is built from its config on the ``meta`` device (no memory, no checkpoint access) inside the recipe's
+block, and the report lists: for each key, the classes it replaced and how many modules; keys that matched nothing;
+container/inner conflicts (:func:`modelpatch.conflicts.find_conflicts`, e.g. ``.*Attention`` on BERT); the
+conversion rules in force for the ``model_type`` (the recipe's and the built-in ones they leave), and with
+``--model DIR`` how many checkpoint keys each rule matches (read from the safetensors headers only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from .checkpoint import model_class
+from .errors import CliError
+from .render import section, table
+from .sources import resolve_patches
+
+__all__ = ["add_parser", "main", "explain"]
+
+
+def _config(model_dir: str | None, model_type: str | None):
+    from transformers import AutoConfig
+
+    if model_dir is not None:
+        if not os.path.isdir(model_dir):
+            raise CliError(f"model folder '{model_dir}' does not exist")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise CliError(f"'{model_dir}' is not a checkpoint: no config.json")
+        return AutoConfig.from_pretrained(model_dir)
+    try:
+        return AutoConfig.for_model(model_type)
+    except ValueError:
+        raise CliError(f"unknown model type '{model_type}'") from None
+
+
+def _build_on_meta(config):
+    import transformers
+
+    cls = model_class(config)
+    with torch.device("meta"):
+        if cls is transformers.AutoModel:
+            return transformers.AutoModel.from_config(config)
+        return cls._from_config(config)
+
+
+def _checkpoint_keys(model_dir: str) -> list[str]:
+    from safetensors import safe_open
+
+    from .checkpoint import checkpoint_files
+
+    keys = []
+    for file in checkpoint_files(model_dir):
+        with safe_open(file, framework="pt", device="cpu") as handle:  # header only: no tensor is read
+            keys.extend(handle.keys())
+    return keys
+
+
+def explain(recipe, *, model_dir: str | None = None, model_type: str | None = None) -> dict:
+    """The dry run as a JSON-ready dict: ``replaced`` (key → {class: modules}), ``unmatched_keys``,
+    ``conflicts`` (messages), ``conversion_rules`` (rule → matched checkpoint keys, or ``null`` without a folder).
+
+    Raises:
+        CliError: missing folder / unknown model type.
+    """
+    from ..conflicts import find_conflicts
+    from ..conversion import get_checkpoint_conversion_mapping
+    from ..conversion.rules import match_rule
+    from ..records import provenance
+
+    config = _config(model_dir, model_type)
+    with recipe.apply() as scope:
+        model = _build_on_meta(config)
+        rules = get_checkpoint_conversion_mapping(config.model_type) or []
+    replaced: dict[str, dict[str, int]] = {key: {} for key in recipe.patch_mapping}
+    for module in model.modules():
+        found = provenance(module)
+        if found is not None:
+            classes = replaced.setdefault(found.key, {})
+            name = f"{found.original.__name__} -> {found.replacement.__name__}"
+            classes[name] = classes.get(name, 0) + 1
+    conflicts = find_conflicts(scope.resolved, list(scope.replaced_originals))
+    keys = _checkpoint_keys(model_dir) if model_dir is not None and _has_weights(model_dir) else None
+    conversion = []
+    for rule in rules:
+        matched = None if keys is None else [k for k in keys if match_rule(rule, k) is not None]
+        conversion.append({"rule": repr(rule), "checkpoint_keys": matched})
+    return {
+        "model_type": config.model_type,
+        "model_class": type(model).__name__,
+        "recipe": recipe.name,
+        "replaced": replaced,
+        "unmatched_keys": list(scope.unmatched_keys),
+        "conflicts": [c.message() for c in conflicts],
+        "conversion_rules": conversion,
+        "parameters_on_meta": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _has_weights(model_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, n)) for n in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def render(report: dict) -> str:
+    out = [f"modelpatch explain: {report['model_class']} ({report['model_type']}), recipe {report['recipe']}, "
+           f"built on meta ({report['parameters_on_meta']:,} parameters, none read)"]
+    rows = [[key, cls, n] for key, classes in report["replaced"].items() for cls, n in classes.items()]
+    out.append(section("replacements", table(["key", "original -> replacement", "modules"], rows) if rows else
+                       "  nothing would be replaced"))
+    if report["unmatched_keys"]:
+        out.append(f"  keys that match nothing: {', '.join(report['unmatched_keys'])}")
+    out.append(section("conflicts", "\n".join(f"  {c}" for c in report["conflicts"]) or "  none"))
+    conversion = [[r["rule"], "-" if r["checkpoint_keys"] is None else len(r["checkpoint_keys"])]
+                  for r in report["conversion_rules"]]
+    out.append(section(f"conversion rules for '{report['model_type']}'",
+                       table(["rule", "checkpoint keys"], conversion) if conversion else "  none"))
+    return "\n".join(out)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("explain", help="dry run on the meta device: what a patch would replace",
+                                   description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", metavar="DIR", help="checkpoint folder (only config.json and headers are read)")
+    where.add_argument("--model-type", metavar="NAME", help="a model_type with its default config (e.g. llama)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--recipe", metavar="NAME")
+    source.add_argument("--patches", metavar="MODULE_OR_FILE")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    recipe = resolve_patches(args.recipe, args.patches)
+    report = explain(recipe, model_dir=args.model, model_type=args.model_type)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    ok = all(report["replaced"].get(k) for k in recipe.patch_mapping) and not report["conflicts"]
+    return 0 if ok else 1

@@ -1,0 +1,281 @@
+"""``modelpatch verify``: load a checkpoint as is and patched, and check that nothing changed but the classes.
+
+Checks (each one line in the summary; any failure → exit status 1):
+
+``patches``     at least one module replaced, every key of the mapping replaced something, no container/inner conflict
+``loading``     the patched load reports no missing/unexpected/mismatched key the vanilla load does not also report
+``provenance``  every parameter's values come from the checkpoint (see :mod:`.provenance`)
+``outputs``     max abs difference of the outputs (logits, or mean-pooled embeddings for encoders) ≤ ``--atol``
+``round trip``  patched → ``save_pretrained`` → plain Transformers load equals the vanilla load bit for bit
+
+With no ``--model`` and no ``--recipe``/``--patches`` it runs the founding document's full example (recipe
+``qwen2_moe-full-example``) on the built-in tiny Qwen2-MoE checkpoint (see :mod:`.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from ..recipes import FULL_EXAMPLE, Recipe
+from .checkpoint import checkpoint_dir, example_checkpoint, model_class
+from .errors import EXIT_FAILED_CHECK, CliError
+from .inputs import model_inputs, model_output
+from .provenance import ParamSource, first_difference, parameter_provenance
+from .render import section, table
+from .sources import resolve_patches
+
+__all__ = ["Check", "VerifyResult", "run_verify", "add_parser", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class VerifyResult:
+    """Everything ``verify`` measured; ``as_dict()`` is the ``--json`` document."""
+
+    model_dir: str
+    recipe: str
+    model_class: str
+    dtype: str
+    input: str = ""
+    patch: dict = field(default_factory=dict)
+    conversion: list = field(default_factory=list)
+    loading: dict = field(default_factory=dict)
+    provenance: list[ParamSource] = field(default_factory=list)
+    output_kind: str = ""
+    max_abs_diff: float = float("nan")
+    atol: float = 0.0
+    load_seconds: dict = field(default_factory=dict)
+    round_trip: str | None = "not run"
+    unfired_rules: list = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def as_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "model_dir": self.model_dir,
+            "recipe": self.recipe,
+            "model_class": self.model_class,
+            "dtype": self.dtype,
+            "input": self.input,
+            "patch_report": self.patch,
+            "conversion_report": self.conversion,
+            "rules_that_matched_nothing": self.unfired_rules,
+            "loading": self.loading,
+            "provenance": [p.as_dict() for p in self.provenance],
+            "output": {"kind": self.output_kind, "max_abs_diff": self.max_abs_diff, "atol": self.atol},
+            "load_seconds": self.load_seconds,
+            "round_trip": {"bit_exact": self.round_trip is None, "first_difference": self.round_trip},
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
+        }
+
+
+def _timed_load(cls, path: str, dtype, recipe: Recipe | None):
+    start = time.perf_counter()
+    if recipe is None:
+        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    else:
+        with recipe.apply():
+            model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    return model.eval(), info, time.perf_counter() - start
+
+
+def _new_loading_issues(patched_info: dict, vanilla_info: dict) -> dict:
+    return {
+        kind: sorted(str(k) for k in set(patched_info.get(kind) or ()) - set(vanilla_info.get(kind) or ()))
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+    }
+
+
+def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: float | None = None,
+               progress: bool | None = None) -> VerifyResult:
+    """Run every check of ``verify`` on ``model_dir`` with ``recipe``; returns the result (never exits).
+
+    Raises:
+        CliError: the folder is not a checkpoint, or the patched load itself fails (message of the error).
+    """
+    from transformers import AutoConfig
+
+    from ..conversion import conversion_report
+    from ..report import patch_report
+
+    model_dir = checkpoint_dir(model_dir)
+    torch_dtype = DTYPES[dtype]
+    atol = atol if atol is not None else (1e-5 if torch_dtype == torch.float32 else 2e-2)
+    config = AutoConfig.from_pretrained(model_dir)
+    cls = model_class(config)
+    result = VerifyResult(model_dir, recipe.name, cls.__name__, dtype, atol=atol)
+    steps = tqdm(total=6, desc="modelpatch verify", unit="step", disable=None if progress is None else not progress,
+                 leave=False)
+    with steps, tempfile.TemporaryDirectory(prefix="modelpatch-verify-") as saved_dir:
+        steps.set_postfix_str("vanilla load")
+        try:
+            vanilla, vanilla_info, result.load_seconds["vanilla"] = _timed_load(cls, model_dir, torch_dtype, None)
+        except Exception as exc:  # noqa: BLE001
+            raise CliError(f"loading '{model_dir}' without patches failed: {type(exc).__name__}: {exc}") from None
+        steps.update()
+        steps.set_postfix_str("patched load")
+        try:
+            patched, patched_info, result.load_seconds["patched"] = _timed_load(cls, model_dir, torch_dtype, recipe)
+        except Exception as exc:  # noqa: BLE001 - the loader's message is the answer
+            raise CliError(f"patched load of '{model_dir}' failed: {type(exc).__name__}: {exc}") from None
+        steps.update()
+        report = patch_report(patched)
+        result.patch = report.as_dict()
+        # the conversion rows are reported once, under "conversion_report" (load and save rows)
+        result.patch.pop("conversion", None)
+        result.loading = _new_loading_issues(patched_info, vanilla_info)
+
+        steps.set_postfix_str("forward")
+        inputs, result.input = model_inputs(model_dir, config)
+        expected, result.output_kind = model_output(vanilla, inputs)
+        actual, _ = model_output(patched, inputs)
+        result.max_abs_diff = float((actual - expected).abs().max()) if actual.shape == expected.shape else float("inf")
+        steps.update()
+
+        steps.set_postfix_str("save")
+        start = time.perf_counter()
+        patched.save_pretrained(saved_dir)
+        result.load_seconds["save_patched"] = time.perf_counter() - start
+        rows = conversion_report(patched)
+        result.conversion = [
+            {"direction": r.direction, "rule": r.rule, "registered_as": r.registered_as,
+             "source_keys": list(r.source_keys), "target_keys": list(r.target_keys)} for r in rows
+        ]
+        steps.update()
+
+        result.unfired_rules = _unfired_rules(recipe, patched, rows)
+        steps.set_postfix_str("provenance")
+        result.provenance = parameter_provenance(patched, model_dir, saved_dir, [r for r in rows if r.direction == "load"])
+        steps.update()
+
+        steps.set_postfix_str("round trip")
+        plain = cls.from_pretrained(saved_dir, dtype=torch_dtype).eval()
+        result.round_trip = first_difference(plain.state_dict(), vanilla.state_dict())
+        steps.update()
+    result.checks = _checks(result, report)
+    return result
+
+
+def _unfired_rules(recipe: Recipe, model, rows) -> list[str]:
+    """The recipe's rules, for the names that apply to ``model`` (its ``model_type`` or a sub-model's class name or
+    type), that converted no checkpoint key: the checkpoint does not have the layout the recipe expects."""
+    from transformers import PreTrainedModel
+
+    names = set()
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            names |= {type(module).__name__, getattr(module.config, "model_type", None)}
+    fired = {r.rule for r in rows if r.direction == "load"}
+    return [repr(rule) for name, rules in recipe.conversion_rules().items() if name in names
+            for rule in rules if repr(rule) not in fired]
+
+
+def _checks(result: VerifyResult, report) -> list[Check]:
+    rows, unmatched, conflicts = report.rows, report.unmatched_keys, report.conflicts
+    patch_ok = bool(rows) and not unmatched and not conflicts
+    patch_detail = f"{len(rows)} module(s) replaced"
+    if unmatched:
+        patch_detail += f"; keys that replaced nothing: {unmatched}"
+    if conflicts:
+        patch_detail += f"; {len(conflicts)} container/inner conflict(s)"
+    issues = {k: v for k, v in result.loading.items() if v}
+    if result.unfired_rules:
+        issues["rules that matched no checkpoint key"] = result.unfired_rules
+    bad = [p for p in result.provenance if not p.ok]
+    return [
+        Check("patches", patch_ok, patch_detail),
+        Check("loading", not issues, "no new missing/unexpected/mismatched keys" if not issues else
+              "; ".join(f"{k}: {v[:3]}{' ...' if len(v) > 3 else ''}" for k, v in issues.items())),
+        Check("provenance", not bad, f"{len(result.provenance) - len(bad)}/{len(result.provenance)} parameters from the "
+              "checkpoint" + ("" if not bad else f"; first not: {bad[0].name} ({bad[0].status}: {bad[0].detail})")),
+        Check("outputs", result.max_abs_diff <= result.atol,
+              f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})"),
+        Check("round trip", result.round_trip is None, "bit-exact" if result.round_trip is None else
+              f"first difference: {result.round_trip}"),
+    ]
+
+
+def render(result: VerifyResult) -> str:
+    """The human-readable report."""
+    patch = result.patch
+    out = [f"modelpatch verify: {result.model_dir}",
+           f"  recipe {result.recipe}  |  {result.model_class}  |  {result.dtype}  |  input: {result.input}"]
+    out.append(section("patch report", table(["module", "original", "replacement"],
+                                             [[r["path"], r["original"].rsplit(".", 1)[-1], r["replacement"]]
+                                              for r in patch.get("replaced", [])])))
+    if patch.get("unmatched_keys"):
+        out.append(f"  keys that replaced nothing: {', '.join(patch['unmatched_keys'])}")
+    out += [f"  conflict: {c}" for c in patch.get("conflicts", [])]
+    conversion = [[r["direction"], r["registered_as"] or "", _short(r["source_keys"]), _short(r["target_keys"])]
+                  for r in result.conversion]
+    out.append(section("conversion report (rules -> keys)",
+                       table(["dir", "rules of", "from", "to"], conversion) if conversion else "  no conversion rule fired"))
+    rules = sorted({r["rule"] for r in result.conversion})
+    out += [f"  rule: {rule}" for rule in rules]
+    out += [f"  rule that matched no checkpoint key: {rule}" for rule in result.unfired_rules]
+    counts: dict[str, int] = {}
+    for p in result.provenance:
+        counts[p.status] = counts.get(p.status, 0) + 1
+    body = table(["status", "parameters"], [[k, v] for k, v in sorted(counts.items())])
+    bad = [p for p in result.provenance if not p.ok]
+    if bad:
+        body += "\n" + table(["parameter", "status", "detail"], [[p.name, p.status, p.detail] for p in bad[:20]])
+    out.append(section("parameter provenance", body))
+    times = result.load_seconds
+    out.append(section("load times", table(["load", "seconds"], [[k, f"{v:.3f}"] for k, v in times.items()])))
+    out.append(section("checks", table(["check", "result", "detail"],
+                                       [[c.name, "ok" if c.ok else "FAIL", c.detail] for c in result.checks])))
+    out.append(f"\n{'PASS' if result.ok else 'FAIL'}")
+    return "\n".join(out)
+
+
+def _short(keys: list[str]) -> str:
+    if len(keys) <= 1:
+        return ", ".join(keys)
+    return f"{keys[0]} (+{len(keys) - 1})"
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "verify", help="load a checkpoint vanilla and patched; compare weights, outputs and the save round trip",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the built-in tiny Qwen2-MoE)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--recipe", metavar="NAME", help="a recipe of modelpatch.recipes ('a+b' combines)")
+    source.add_argument("--patches", metavar="MODULE_OR_FILE", help="module or .py file defining PATCH_MAPPING")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="load dtype (default float32)")
+    parser.add_argument("--atol", type=float, help="output tolerance (default 1e-5 for float32, else 2e-2)")
+    parser.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.model is None and args.recipe is None and args.patches is None:
+        recipe, model_dir = FULL_EXAMPLE, example_checkpoint()
+    else:
+        recipe = resolve_patches(args.recipe, args.patches)
+        model_dir = args.model if args.model is not None else example_checkpoint()
+    result = run_verify(model_dir, recipe, dtype=args.dtype, atol=args.atol,
+                        progress=False if args.no_progress else None)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else render(result))
+    return 0 if result.ok else EXIT_FAILED_CHECK

@@ -1,0 +1,141 @@
+"""The :class:`Recipe` type: a patch mapping plus the checkpoint conversion rules it needs.
+
+A recipe is applied either for one block (``with recipe.apply(): ...``, nothing left behind on exit, also on
+error) or for the process (``recipe.register()`` / ``recipe.unregister()``). Two recipes combine with ``+``
+(mappings merged, rules of the same ``model_type`` concatenated), e.g. the founding document's full example is
+``get_recipe("qwen2_moe-fused-qkv") + get_recipe("qwen2_moe-linear-experts")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+__all__ = ["Recipe", "RuleSpec"]
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """Conversion rules registered under one ``model_type`` or class name.
+
+    Attributes:
+        factory: builds fresh :class:`~modelpatch.conversion.WeightConverter` / ``WeightRenaming`` instances
+            (rules carry per-load state, so each application gets new ones).
+        overwrite: drop every built-in Transformers rule of that name (``overwrite=True`` in
+            ``register_checkpoint_conversion_mapping``), e.g. to keep per-expert checkpoint keys per-expert.
+    """
+
+    factory: Callable[[], list]
+    overwrite: bool = False
+
+    def rules(self) -> list:
+        return list(self.factory())
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A ready-made patch: ``{class name or pattern: replacement class}`` plus conversion rules.
+
+    Attributes:
+        name: registry name (``"llama-fused-qkv"``).
+        description: one line for ``list_recipes()`` / ``modelpatch explain``.
+        patch_mapping: keys and replacement classes, as given to :func:`modelpatch.apply_patches`.
+        conversion: ``{model_type or class name: RuleSpec}``.
+        model_types: the ``model_type`` values the recipe is written for (informative, used by the CLI to pick
+            a demo config).
+    """
+
+    name: str
+    description: str
+    patch_mapping: Mapping[str, type]
+    conversion: Mapping[str, RuleSpec] = field(default_factory=dict)
+    model_types: tuple[str, ...] = ()
+
+    def conversion_rules(self) -> dict[str, list]:
+        """Fresh rules per registry name: ``{name: [WeightConverter | WeightRenaming, ...]}``."""
+        return {name: spec.rules() for name, spec in self.conversion.items()}
+
+    @contextmanager
+    def apply(self, *, strict: bool = False) -> Iterator["object"]:
+        """Context manager: models built or loaded inside the block get the replacements and conversion rules.
+
+        Yields the :class:`~modelpatch.PatchScope` (``scope.fired``, ``scope.unmatched_keys``). Only the calling
+        thread / asyncio task sees the recipe; on exit (normal or exception) nothing remains registered. A model
+        loaded inside the block keeps its rules, so its ``save_pretrained`` writes the original layout later too.
+
+        Raises:
+            UnmatchedPatchKeyError: ``strict=True`` and a key replaced no module in the block.
+        """
+        from ..conversion import conversion_rules
+        from ..scope import apply_patches
+
+        with ExitStack() as stack:
+            for overwrite in (False, True):
+                group = {n: s.rules() for n, s in self.conversion.items() if s.overwrite is overwrite}
+                if group:
+                    stack.enter_context(conversion_rules(group, overwrite=overwrite))
+            scope = stack.enter_context(apply_patches(dict(self.patch_mapping), strict=strict))
+            yield scope
+
+    def register(self) -> None:
+        """Register the mapping and the rules process-wide (every later ``from_pretrained``).
+
+        Raises:
+            ValueError: a key or a conversion name is already registered (nothing of this recipe is left
+                registered then).
+        """
+        from ..conversion import register_checkpoint_conversion_mapping, unregister_checkpoint_conversion_mapping
+        from ..registry import register_patch_mapping, unregister_patch_mapping
+
+        register_patch_mapping(dict(self.patch_mapping))
+        done = []
+        try:
+            for name, spec in self.conversion.items():
+                register_checkpoint_conversion_mapping(name, spec.rules(), overwrite=spec.overwrite)
+                done.append(name)
+        except BaseException:
+            for name in done:
+                unregister_checkpoint_conversion_mapping(name)
+            unregister_patch_mapping(list(self.patch_mapping))
+            raise
+
+    def unregister(self) -> None:
+        """Undo :meth:`register` (the built-in conversion rules of each name apply again)."""
+        from ..conversion import unregister_checkpoint_conversion_mapping
+        from ..registry import unregister_patch_mapping
+
+        unregister_patch_mapping(list(self.patch_mapping))
+        for name in self.conversion:
+            unregister_checkpoint_conversion_mapping(name)
+
+    def __add__(self, other: "Recipe") -> "Recipe":
+        """Both recipes at once. Rules registered under the same name are concatenated (``overwrite`` if either
+        asks for it).
+
+        Raises:
+            ValueError: both recipes map the same key to different classes.
+        """
+        if not isinstance(other, Recipe):
+            return NotImplemented
+        clash = [k for k in other.patch_mapping if k in self.patch_mapping and self.patch_mapping[k] is not other.patch_mapping[k]]
+        if clash:
+            raise ValueError(f"recipes {self.name!r} and {other.name!r} both patch {clash}")
+        conversion = dict(self.conversion)
+        for name, spec in other.conversion.items():
+            mine = conversion.get(name)
+            if mine is None:
+                conversion[name] = spec
+            else:
+                conversion[name] = RuleSpec(_chain(mine.factory, spec.factory), mine.overwrite or spec.overwrite)
+        return Recipe(
+            name=f"{self.name}+{other.name}",
+            description=f"{self.description}; {other.description}",
+            patch_mapping={**self.patch_mapping, **other.patch_mapping},
+            conversion=conversion,
+            model_types=tuple(dict.fromkeys(self.model_types + other.model_types)),
+        )
+
+
+def _chain(first: Callable[[], list], second: Callable[[], list]) -> Callable[[], list]:
+    return lambda: list(first()) + list(second())

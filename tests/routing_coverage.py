@@ -1,0 +1,182 @@
+"""Coverage of `modelpatch.routing` over every MoE family of the installed Transformers.
+
+Used by tests/test_routing_coverage.py, which regenerates docs/routing_support.md from it. Run directly to
+rewrite the table: ``python tests/routing_coverage.py --write``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+sys.path.insert(0, str(Path(__file__).parent))
+from routing_models import ExpertsObserver, perturb_routers, router_weight, tiny_config  # noqa: E402
+
+from modelpatch.routing import find_router_sites, record_routing, replay_routing  # noqa: E402
+from modelpatch.routing.kinds import UNSUPPORTED_FAMILIES  # noqa: E402
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "routing_support.md"
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+_TOP_K = ("num_experts_per_tok", "top_k", "moe_k", "moe_topk", "num_experts_per_token", "router_top_k")
+_SUBS = ("text_config", "language_config", "thinker_config", "talker_config", "llm_config", "decoder_config")
+
+
+def _get(cfg, name):
+    try:
+        v = getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - per-layer (heterogeneous) attributes refuse global access
+        return "per-layer"
+    return v
+
+
+def _has_int(cfg, names):
+    return any(_get(cfg, n) == "per-layer" or (isinstance(_get(cfg, n), int) and not isinstance(_get(cfg, n), bool))
+               for n in names)
+
+
+_DEFAULTS: dict = {}
+
+
+def _default_config(mt: str):
+    if mt not in _DEFAULTS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _DEFAULTS[mt] = CONFIG_MAPPING[mt]()
+    return _DEFAULTS[mt]
+
+
+def moe_families() -> dict[str, str | None]:
+    """``{model_type: sub-config attribute holding the MoE text model, or None for the root config}`` of every
+    model type whose config has a number of experts and a top-k."""
+    out = {}
+    for mt in sorted(CONFIG_MAPPING_NAMES):
+        try:
+            cfg = _default_config(mt)
+        except Exception:  # noqa: BLE001 - configs that cannot be built with defaults are not classifiable
+            continue
+        if _has_int(cfg, _EXPERTS) and _has_int(cfg, _TOP_K):
+            out[mt] = None
+            continue
+        for sub in _SUBS:
+            s = _get(cfg, sub)
+            if s is not None and not isinstance(s, (dict, str)) and _has_int(s, _EXPERTS) and _has_int(s, _TOP_K):
+                out[mt] = sub
+                break
+    return out
+
+
+def _build(model_type: str):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    cfg = tiny_config(model_type)
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    except ValueError:
+        model = AutoModel.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith(("Router", "Gate", "Gating")) and hasattr(module, "top_k"):
+                try:
+                    router_weight(module).normal_(0, 0.5)
+                except StopIteration:
+                    pass
+    return model.eval()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same experts per token (order within a token's top-k does not matter to the experts)."""
+    return a.shape == b.shape and torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values)
+
+
+def _why(e: BaseException, n: int = 120) -> str:
+    first = (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:n]}"
+
+
+def check_family(model_type: str) -> tuple[bool, str, str]:
+    """Build a tiny model, record, perturb the routers, replay, and compare the experts actually used (observed
+    by a hook on the experts modules) with the trace. Returns ``(supported, router class, reason)``."""
+    try:
+        model = _build(model_type)
+    except Exception as e:  # noqa: BLE001
+        return False, "?", f"tiny model not buildable here: {_why(e, 90)}"
+    try:
+        sites, _, _ = find_router_sites(model)
+    except Exception as e:  # noqa: BLE001
+        return False, "-", _why(e)
+    router = type(sites[0].module).__name__
+    ids = torch.randint(3, min(100, model.config.get_text_config().vocab_size), (2, 6),
+                        generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            with ExpertsObserver(model) as seen, record_routing(model) as trace:
+                model(ids)
+            if not seen.calls:
+                return False, router, "no experts module taking (hidden, top_k_index, top_k_weights) to observe"
+            for layer in trace.layers:
+                if not _same(seen.indices(layer), torch.cat(trace[layer])):
+                    return False, router, f"layer {layer}: recorded indices differ from the experts' inputs"
+            perturb_routers(model)
+            with ExpertsObserver(model) as seen, replay_routing(model, trace):
+                model(ids)
+            for layer in trace.layers:
+                if not _same(seen.indices(layer), torch.cat(trace[layer])):
+                    return False, router, f"layer {layer}: replayed experts differ from the trace"
+    except Exception as e:  # noqa: BLE001
+        return False, router, _why(e)
+    return True, router, f"{sites[0].kind.name}"
+
+
+def support_table() -> tuple[str, dict[str, bool]]:
+    families = moe_families()
+    rows, status, results = [], {}, {}
+    for mt, sub in families.items():
+        if sub is not None:
+            sub_type = _get(_default_config(mt), sub).model_type
+            if sub_type in families and families[sub_type] is None:
+                rows.append((mt, None, f"MoE text model is `{sub_type}`", sub_type))
+                continue
+        family = mt if sub is None else _get(_default_config(mt), sub).model_type
+        if family in UNSUPPORTED_FAMILIES:
+            results[mt] = (False, "-", UNSUPPORTED_FAMILIES[family])
+        else:
+            results[mt] = check_family(family)
+        rows.append((mt, *results[mt], None))
+    lines = [
+        "<!-- generated by tests/test_routing_coverage.py from transformers "
+        f"{transformers.__version__}; do not edit -->",
+        "| model type | router class | supported | kind / reason |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        mt = row[0]
+        if row[-1] is not None:  # composite model: same as its text model
+            ok, router, why = results.get(row[-1], (False, "?", "?"))
+            status[mt] = ok
+            lines.append(f"| `{mt}` | {router} | {'yes' if ok else 'no'} | via `{row[-1]}` |")
+            continue
+        ok, router, why = row[1], row[2], row[3]
+        status[mt] = ok
+        lines.append(f"| `{mt}` | {router} | {'yes' if ok else 'no'} | {why.replace('|', '/')} |")
+    n_ok = sum(status.values())
+    lines.append("")
+    lines.append(f"{n_ok} of {len(status)} model types with experts and a top-k router are supported.")
+    return "\n".join(lines) + "\n", status
+
+
+if __name__ == "__main__":
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    text, status = support_table()
+    if "--write" in sys.argv:
+        DOC.parent.mkdir(exist_ok=True)
+        DOC.write_text(text)
+    print(text)

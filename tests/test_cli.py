@@ -1,0 +1,198 @@
+"""The ``modelpatch`` command line: verify (built-in full example, real MiniLM checkpoint, a failing patch),
+explain (meta dry run, conflicts), convert (forward + reverse bit-exact), one-line errors, the console script."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from recipes_support import MINILM_DIR, save_case, tensors
+
+from modelpatch.cli import main
+from modelpatch.cli.checkpoint import example_checkpoint
+
+FUSED_QWEN2_MOE = "modelpatch.recipes.attention.FusedQKVQwen2MoeAttention"
+LINEAR_QWEN2_MOE = "modelpatch.recipes.experts.LinearQwen2MoeExperts"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("modelpatch-cache")
+    old = os.environ.get("MODELPATCH_CACHE")
+    os.environ["MODELPATCH_CACHE"] = str(path)
+    yield path
+    if old is None:
+        del os.environ["MODELPATCH_CACHE"]
+    else:
+        os.environ["MODELPATCH_CACHE"] = old
+
+
+def run_json(capsys, argv) -> tuple[int, dict]:
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_verify_without_arguments_runs_the_full_example(cache, capsys):
+    code, report = run_json(capsys, [])
+    assert code == 0 and report["ok"] is True
+    assert report["recipe"] == "qwen2_moe-full-example" and report["model_class"] == "Qwen2MoeForCausalLM"
+    assert report["model_dir"] == str(cache / "qwen2_moe-tiny-v1")
+    replaced = {(r["path"], r["replacement"]) for r in report["patch_report"]["replaced"]}
+    assert replaced == {(f"model.layers.{i}.{m}", cls) for i in (0, 1)
+                        for m, cls in (("self_attn", FUSED_QWEN2_MOE), ("mlp.experts", LINEAR_QWEN2_MOE))}
+    loads = [r for r in report["conversion_report"] if r["direction"] == "load"]
+    assert sorted(r["target_keys"][0] for r in loads) == sorted(
+        f"model.layers.{i}.self_attn.qkv_proj.{p}" for i in (0, 1) for p in ("weight", "bias"))
+    assert all(p["status"] == "checkpoint" for p in report["provenance"]) and len(report["provenance"]) == 47
+    assert report["output"]["kind"] == "logits" and report["output"]["max_abs_diff"] <= 1e-5
+    assert report["round_trip"] == {"bit_exact": True, "first_difference": None}
+    assert [c["name"] for c in report["checks"]] == ["patches", "loading", "provenance", "outputs", "round trip"]
+    # the table form passes too, and says so
+    assert main(["verify", "--no-progress"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
+
+
+def test_example_checkpoint_is_deterministic(cache, tmp_path, monkeypatch):
+    first = example_checkpoint()
+    monkeypatch.setenv("MODELPATCH_CACHE", str(tmp_path))
+    second = example_checkpoint()
+    assert second != first
+
+    def digest(folder):
+        return hashlib.sha256(open(os.path.join(folder, "model.safetensors"), "rb").read()).hexdigest()
+
+    assert digest(first) == digest(second)
+    ck = tensors(second)
+    assert ck["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)  # GQA: 2 of 4 heads
+    assert not torch.equal(ck["model.layers.0.mlp.experts.0.gate_proj.weight"],
+                           ck["model.layers.0.mlp.experts.1.gate_proj.weight"])
+
+
+def test_verify_real_minilm_checkpoint(capsys):
+    code, report = run_json(capsys, ["verify", "--model", MINILM_DIR, "--recipe", "bert-fused-qkv"])
+    assert code == 0 and report["ok"] is True
+    assert report["output"]["kind"] == "mean-pooled embeddings" and report["output"]["max_abs_diff"] <= 1e-5
+    assert report["input"].endswith("tokenizer")
+    assert len(report["patch_report"]["replaced"]) == 6
+    assert report["round_trip"]["bit_exact"] is True
+    assert {p["status"] for p in report["provenance"]} == {"checkpoint"}
+
+
+def test_verify_fails_for_a_patch_without_conversion_rules(tmp_path, capsys):
+    """A fused QKV attention without its rule: qkv_proj is never loaded; verify says which, exits 1."""
+    path = save_case("llama-fused-qkv", tmp_path / "ck")
+    patches = tmp_path / "patches.py"
+    patches.write_text("from modelpatch.recipes import FUSED_QKV_CLASSES\n"
+                       "PATCH_MAPPING = {'LlamaAttention': FUSED_QKV_CLASSES['llama']}\n")
+    code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches)])
+    assert code == 1 and report["ok"] is False
+    checks = {c["name"]: c["ok"] for c in report["checks"]}
+    assert checks == {"patches": True, "loading": False, "provenance": False, "outputs": False, "round trip": False}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in report["loading"]["missing_keys"]
+    bad = {p["parameter"] for p in report["provenance"] if p["status"] != "checkpoint"}
+    assert bad == {f"model.layers.{i}.self_attn.qkv_proj.{p}" for i in (0, 1) for p in ("weight", "bias")}
+
+
+def test_verify_patches_file_with_rules(tmp_path, capsys):
+    path = save_case("mixtral-linear-experts", tmp_path / "ck")
+    patches = tmp_path / "patches.py"
+    patches.write_text(
+        "from modelpatch.conversion import WeightRenaming\n"
+        "from modelpatch.recipes import LINEAR_EXPERTS_CLASSES\n"
+        "PATCH_MAPPING = {'MixtralExperts': LINEAR_EXPERTS_CLASSES['mixtral']}\n"
+        "CONVERSION_RULES = {'mixtral': [WeightRenaming('block_sparse_moe', 'mlp')]}\n"
+        "CONVERSION_OVERWRITE = True\n")
+    code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches)])
+    assert code == 0, report["checks"]
+    assert report["rules_that_matched_nothing"] == []
+    assert report["output"]["max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--model", "/no/such/dir", "--recipe", "bert-fused-qkv"], "model folder '/no/such/dir' does not exist"),
+    (["verify", "--model", os.path.dirname(__file__), "--recipe", "bert-fused-qkv"], "is not a checkpoint: no config.json"),
+    (["verify", "--model", MINILM_DIR, "--recipe", "nope"], "unknown recipe 'nope'; known: bert-fused-qkv"),
+    (["explain", "--model-type", "bert", "--patches", "{raising}"], "raised RuntimeError: boom"),
+    (["explain", "--model-type", "bert", "--patches", "no_such_module_xyz"], "patches module 'no_such_module_xyz' not found"),
+    (["explain", "--model-type", "no_such_type", "--recipe", "bert-fused-qkv"], "unknown model type 'no_such_type'"),
+    (["explain", "--model-type", "bert", "--patches", "{invalid}"], "invalid patches: "),
+    (["verify", "--model", MINILM_DIR, "--patches", "{empty}"], "defines no PATCH_MAPPING dict (or RECIPE)"),
+])
+def test_one_line_errors(argv, message, tmp_path, capsys):
+    raising = tmp_path / "raising.py"
+    raising.write_text("raise RuntimeError('boom')\n")
+    invalid, empty = tmp_path / "invalid.py", tmp_path / "empty.py"
+    invalid.write_text("PATCH_MAPPING = {'BertSelfAttention': 42}\n")  # not an nn.Module subclass
+    empty.write_text("X = 1\n")
+    files = {"{raising}": raising, "{invalid}": invalid, "{empty}": empty}
+    argv = [str(files.get(a, a)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("modelpatch: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_not_a_checkpoint_without_weights(tmp_path, capsys):
+    shutil.copy(os.path.join(MINILM_DIR, "config.json"), tmp_path)
+    assert main(["verify", "--model", str(tmp_path), "--recipe", "bert-fused-qkv"]) == 2
+    assert "is not a checkpoint: no model.safetensors" in capsys.readouterr().err
+
+
+def test_explain_reads_no_weights_and_reports(tmp_path, capsys):
+    # a folder with only config.json: explain needs no weights at all
+    shutil.copy(os.path.join(MINILM_DIR, "config.json"), tmp_path)
+    code, report = run_json(capsys, ["explain", "--model", str(tmp_path), "--recipe", "bert-fused-qkv"])
+    assert code == 0
+    assert report["replaced"] == {"BertSelfAttention": {"BertSelfAttention -> FusedQKVBertSelfAttention": 6}}
+    assert report["unmatched_keys"] == [] and report["conflicts"] == []
+    assert report["conversion_rules"][0]["checkpoint_keys"] is None
+    # with the real folder, the rule's matches come from the safetensors header
+    code, report = run_json(capsys, ["explain", "--model", MINILM_DIR, "--recipe", "bert-fused-qkv"])
+    assert len(report["conversion_rules"][0]["checkpoint_keys"]) == 36  # 6 layers x q/k/v x weight/bias
+
+
+def test_explain_reports_container_conflict_and_unmatched_key(tmp_path, capsys):
+    patches = tmp_path / "broad.py"
+    patches.write_text("from modelpatch.recipes import FusedQKVBertSelfAttention\n"
+                       "PATCH_MAPPING = {'.*Attention': FusedQKVBertSelfAttention, 'BertAtention': FusedQKVBertSelfAttention}\n")
+    code, report = run_json(capsys, ["explain", "--model-type", "bert", "--patches", str(patches)])
+    assert code == 1
+    assert report["replaced"][".*Attention"] == {"BertAttention -> FusedQKVBertSelfAttention": 12}
+    assert report["unmatched_keys"] == ["BertAtention"]
+    assert len(report["conflicts"]) == 2
+    assert all("container BertAttention" in c for c in report["conflicts"])
+    assert any("BertSelfAttention" in c for c in report["conflicts"])
+
+
+def test_convert_forward_then_reverse_is_bit_exact(tmp_path, capsys):
+    src = save_case("qwen2_moe-fused-qkv", tmp_path / "ck")
+    fused, back = tmp_path / "fused", tmp_path / "back"
+    assert main(["convert", src, str(fused), "--recipe", "qwen2_moe-full-example"]) == 0
+    ck, converted = tensors(src), tensors(fused)
+    qkv = converted["model.layers.1.self_attn.qkv_proj.weight"]
+    assert torch.equal(qkv, torch.cat([ck[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    assert qkv.shape == (64 + 2 * 32, 64)  # GQA sizes
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in converted  # per-expert kept (overwrite)
+    assert main(["convert", str(fused), str(back), "--recipe", "qwen2_moe-full-example", "--reverse"]) == 0
+    restored = tensors(back)
+    assert sorted(restored) == sorted(ck) and all(torch.equal(restored[k], ck[k]) for k in ck)
+    assert "4 group(s)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_console_script(cache):
+    """The installed ``modelpatch`` entry point, in a fresh process, on the real checkpoint."""
+    script = shutil.which("modelpatch", path=os.path.dirname(sys.executable))
+    assert script is not None, "pip install -e . installs the console script"
+    done = subprocess.run([script, "verify", "--model", MINILM_DIR, "--recipe", "bert-fused-qkv", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["output"]["max_abs_diff"] <= 1e-5 and report["round_trip"]["bit_exact"]
+    assert "Traceback" not in done.stderr

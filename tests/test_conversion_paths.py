@@ -1,0 +1,103 @@
+"""Other load paths (load_converted_state_dict) and offline conversion (convert_checkpoint)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conversion_models import (
+    QKV_RULE,
+    FusedQKVAttention,
+    assert_params_equal,
+    assert_same_tensors,
+    checkpoint,
+    clean_conversions,  # noqa: F401 - autouse fixture
+    expected_fused,
+    patched,
+    randomize_,
+)
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from modelpatch.conversion import (
+    ConversionError,
+    conversion_report,
+    convert_checkpoint,
+    load_converted_state_dict,
+    register_checkpoint_conversion_mapping,
+)
+
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-sharded")
+    randomize_(LlamaForCausalLM(LlamaConfig(**CONFIG))).save_pretrained(folder, max_shard_size="40KB")
+    return folder, checkpoint(folder)
+
+
+def _fused_model():
+    with patched({"LlamaAttention": FusedQKVAttention}):
+        return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+
+
+@pytest.mark.parametrize("source", ["path", "state_dict"])
+def test_load_converted_state_dict(source, sharded_llama, tmp_path):
+    folder, ck = sharded_llama
+    model = _fused_model()
+    rows = load_converted_state_dict(model, folder if source == "path" else dict(ck), rules=[QKV_RULE])
+    assert len(rows) == 2 and rows == conversion_report(model)
+    assert_params_equal(model, expected_fused(model.state_dict(), ck))
+    model.save_pretrained(tmp_path)  # remembers the rules: original layout again
+    assert_same_tensors(checkpoint(tmp_path), ck)
+
+
+def test_load_converted_state_dict_uses_registered_rules_and_refuses_leftovers(sharded_llama):
+    folder, ck = sharded_llama
+    model = _fused_model()
+    with pytest.raises(ConversionError, match="unexpected keys"):
+        load_converted_state_dict(model, folder)  # no rule: q/k/v left over, qkv missing
+    register_checkpoint_conversion_mapping("llama", [QKV_RULE])
+    load_converted_state_dict(model, folder)
+    assert_params_equal(model, expected_fused(model.state_dict(), ck))
+
+
+def test_offline_convert_and_reverse_sharded(sharded_llama, tmp_path):
+    folder, ck = sharded_llama
+    n_shards = len(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    rows = convert_checkpoint(folder, tmp_path / "fused", rules=[QKV_RULE])
+    assert len(rows) == 2 and rows[0].direction == "offline"
+    fused = checkpoint(tmp_path / "fused")
+    assert "model.layers.1.self_attn.qkv_proj.weight" in fused and "model.layers.1.self_attn.q_proj.weight" not in fused
+    index = json.loads((tmp_path / "fused" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == n_shards
+    with patched({"LlamaAttention": FusedQKVAttention}):  # converted layout loads with no rule at all
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "fused")
+    assert_params_equal(model, expected_fused(model.state_dict(), ck))
+
+    register_checkpoint_conversion_mapping("llama", [QKV_RULE])
+    convert_checkpoint(tmp_path / "fused", tmp_path / "back", "llama", reverse=True)  # GQA sizes from config.json
+    assert_same_tensors(checkpoint(tmp_path / "back"), ck)
+    assert (tmp_path / "back" / "config.json").exists()
+
+
+def test_offline_convert_needs_rules(sharded_llama, tmp_path):
+    with pytest.raises(ConversionError, match="No conversion rules"):
+        convert_checkpoint(sharded_llama[0], tmp_path / "out", "llama")
+    assert not (tmp_path / "out").exists()
+
+
+def test_offline_renaming_round_trip(sharded_llama, tmp_path):
+    from modelpatch.conversion import WeightRenaming
+
+    folder, ck = sharded_llama
+    rule = WeightRenaming(r"self_attn\.o_proj", "self_attn.out_proj")
+    rows = convert_checkpoint(folder, tmp_path / "renamed", rules=[rule], progress=False)
+    renamed = checkpoint(tmp_path / "renamed")
+    assert torch.equal(renamed["model.layers.1.self_attn.out_proj.weight"], ck["model.layers.1.self_attn.o_proj.weight"])
+    assert not any(".o_proj." in k for k in renamed)
+    assert len(rows) == 2
+    convert_checkpoint(tmp_path / "renamed", tmp_path / "back", rules=[rule], reverse=True)
+    assert_same_tensors(checkpoint(tmp_path / "back"), ck)

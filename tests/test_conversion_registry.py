@@ -1,0 +1,171 @@
+"""Registry, scoping, composition with Transformers' built-in rules, and clean-up."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conversion_models import (
+    PER_EXPERT_RULES,
+    QKV_RULE,
+    FusedQKVAttention,
+    ModuleListExperts,
+    assert_same_tensors,
+    checkpoint,
+    clean_conversions,  # noqa: F401 - autouse fixture
+    expected_fused,
+    patched,
+    randomize_,
+)
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import conversion_mapping as tcm
+
+from modelpatch import apply_patches
+from modelpatch.conversion import (
+    Concatenate,
+    ConversionError,
+    SplitModulelist,
+    WeightConverter,
+    WeightRenaming,
+    conversion_rules,
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+    unregister_checkpoint_conversion_mapping,
+)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    """Vanilla qwen2_moe saved by Transformers (hub layout: one tensor per expert)."""
+    config = Qwen2MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        vocab_size=128)
+    model = randomize_(Qwen2MoeForCausalLM(config))
+    folder = tmp_path_factory.mktemp("qwen2moe")
+    model.save_pretrained(folder)
+    return model, folder, checkpoint(folder)
+
+
+def _assert_vanilla_experts_loaded(folder, ck):
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    experts = model.model.layers[1].mlp.experts
+    for e in range(4):
+        gate = ck[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"]
+        up = ck[f"model.layers.1.mlp.experts.{e}.up_proj.weight"]
+        assert torch.equal(experts.gate_up_proj[e], torch.cat([gate, up]))
+        assert torch.equal(experts.down_proj[e], ck[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
+
+
+def _builtin_reprs(name):
+    return [repr(r) for r in tcm.get_checkpoint_conversion_mapping(name)]
+
+
+def test_register_get_unregister_brings_back_builtins():
+    builtin = _builtin_reprs("qwen2_moe")
+    register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE], overwrite=True)
+    assert [repr(r) for r in get_checkpoint_conversion_mapping("qwen2_moe")] == [repr(QKV_RULE)]
+    assert _builtin_reprs("qwen2_moe") == builtin  # Transformers' table is never mutated
+    with pytest.raises(ValueError, match="already registered"):
+        register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE])
+    unregister_checkpoint_conversion_mapping("qwen2_moe")
+    assert [repr(r) for r in get_checkpoint_conversion_mapping("qwen2_moe")] == builtin
+    with pytest.raises(KeyError, match="qwen2_moe"):
+        unregister_checkpoint_conversion_mapping("qwen2_moe")
+
+
+def test_composition_keeps_builtins_a_user_rule_does_not_replace():
+    register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE])
+    effective = [repr(r) for r in get_checkpoint_conversion_mapping("qwen2_moe")]
+    assert effective == [repr(QKV_RULE)] + _builtin_reprs("qwen2_moe")
+    unregister_checkpoint_conversion_mapping("qwen2_moe")
+    register_checkpoint_conversion_mapping("qwen2_moe", PER_EXPERT_RULES)
+    assert [repr(r) for r in get_checkpoint_conversion_mapping("qwen2_moe")] == [repr(r) for r in PER_EXPERT_RULES]
+
+
+def test_bad_registration_leaves_registry_unchanged():
+    with pytest.raises(TypeError):
+        register_checkpoint_conversion_mapping("llama", [object()])
+    with pytest.raises(TypeError):
+        register_checkpoint_conversion_mapping("", [QKV_RULE])
+    assert get_checkpoint_conversion_mapping("llama") is None
+
+
+def test_patterns_match_on_module_path_boundaries():
+    rule = WeightConverter("experts.down_proj", "experts.*.down_proj.weight", [SplitModulelist(dim=0)])
+    assert rule.rename_source_key("model.layers.0.mlp.shared_experts.down_proj.weight")[1] is None
+    assert rule.rename_source_key("model.layers.0.mlp.experts.down_proj")[0] == "model.layers.0.mlp.experts.*.down_proj.weight"
+    reverse = rule.reverse_transform()
+    assert reverse.rename_source_key("model.layers.0.mlp.shared_experts.down_proj.weight")[1] is None
+    renaming = WeightRenaming("attn", "self_attn")
+    assert renaming.rename_source_key("layers.0.self_attn.q.weight")[0] == "layers.0.self_attn.q.weight"
+    assert renaming.rename_source_key("layers.0.attn.q.weight")[0] == "layers.0.self_attn.q.weight"
+
+
+def test_founding_override_does_not_survive_unregister(qwen2_moe):
+    _, folder, ck = qwen2_moe
+    register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE], overwrite=True)
+    with apply_patches({"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}):
+        AutoModelForCausalLM.from_pretrained(folder)
+    unregister_checkpoint_conversion_mapping("qwen2_moe")
+    _assert_vanilla_experts_loaded(folder, ck)
+
+
+def test_founding_cleanup_clear_patch_mapping_also_drops_the_override(qwen2_moe):
+    # the founding document cleans up with clear_patch_mapping() only; in the reference the qwen2_moe
+    # override survives that and every later vanilla load gets randomly initialised experts
+    _, folder, ck = qwen2_moe
+    with patched({"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}):
+        register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE], overwrite=True)
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert [repr(r) for r in get_checkpoint_conversion_mapping("qwen2_moe")] == _builtin_reprs("qwen2_moe")
+    _assert_vanilla_experts_loaded(folder, ck)
+
+
+def test_scoped_rules_undo_on_exit_even_on_error(qwen2_moe):
+    _, folder, ck = qwen2_moe
+    with pytest.raises(RuntimeError):
+        with conversion_rules({"qwen2_moe": [QKV_RULE]}, overwrite=True):
+            assert get_checkpoint_conversion_mapping("qwen2_moe")[0].source_patterns == ["q_proj", "k_proj", "v_proj"]
+            raise RuntimeError("boom")
+    assert [repr(r) for r in get_checkpoint_conversion_mapping("qwen2_moe")] == _builtin_reprs("qwen2_moe")
+    _assert_vanilla_experts_loaded(folder, ck)
+
+
+def test_scope_is_local_to_the_thread():
+    seen = []
+    with conversion_rules({"llama": [QKV_RULE]}):
+        worker = threading.Thread(target=lambda: seen.append(get_checkpoint_conversion_mapping("llama")))
+        worker.start()
+        worker.join()
+        assert get_checkpoint_conversion_mapping("llama") is not None
+    assert seen == [None]
+
+
+def test_class_name_wins_over_model_type(qwen2_moe, tmp_path):
+    _, folder, ck = qwen2_moe
+    wrong = WeightConverter(["q_proj", "k_proj"], "qkv_proj", [Concatenate(dim=0)])  # would not fit the model
+    with patched({"Qwen2MoeAttention": FusedQKVAttention}), conversion_rules(
+        {"qwen2_moe": [wrong], "Qwen2MoeForCausalLM": [QKV_RULE]}
+    ):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    expected = expected_fused(model.state_dict(), ck)
+    assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, expected["model.layers.0.self_attn.qkv_proj.weight"])
+    # composed with the built-in experts rule (not replaced): the fused experts were loaded too
+    gate = ck["model.layers.0.mlp.experts.2.gate_proj.weight"]
+    assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj[2][: gate.shape[0]], gate)
+    model.save_pretrained(tmp_path)
+    assert_same_tensors(checkpoint(tmp_path), ck)
+
+
+def test_save_after_scope_still_writes_original_layout(qwen2_moe, tmp_path):
+    _, folder, ck = qwen2_moe
+    with patched({"Qwen2MoeAttention": FusedQKVAttention}), conversion_rules({"qwen2_moe": [QKV_RULE]}):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    model.save_pretrained(tmp_path)
+    assert_same_tensors(checkpoint(tmp_path), ck)
+
+
+def test_conversion_error_type_is_value_error():
+    assert issubclass(ConversionError, ValueError)
