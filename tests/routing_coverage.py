@@ -1,6 +1,6 @@
 """Coverage of `modelpatch.routing` over every MoE family of the installed Transformers.
 
-Used by tests/test_routing_coverage.py, which regenerates docs/routing_support.md from it. Run directly to
+Used by tests/test_routing_coverage.py, which regenerates the support table in README.md from it. Run directly to
 rewrite the table: ``python tests/routing_coverage.py --write``.
 """
 
@@ -20,7 +20,19 @@ from routing_models import ExpertsObserver, perturb_routers, router_weight, tiny
 from modelpatch.routing import find_router_sites, record_routing, replay_routing  # noqa: E402
 from modelpatch.routing.kinds import UNSUPPORTED_FAMILIES  # noqa: E402
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "routing_support.md"
+README = Path(__file__).resolve().parent.parent / "README.md"
+START, END = "<!-- routing-support:start -->\n", "<!-- routing-support:end -->"
+
+
+def readme_table() -> str:
+    """The support table as it stands in README.md (between the routing-support markers)."""
+    text = README.read_text(encoding="utf-8")
+    return text[text.index(START) + len(START) : text.index(END)]
+
+
+def write_readme_table(table: str) -> None:
+    text = README.read_text(encoding="utf-8")
+    README.write_text(text[: text.index(START) + len(START)] + table + text[text.index(END) :], encoding="utf-8")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 _TOP_K = ("num_experts_per_tok", "top_k", "moe_k", "moe_topk", "num_experts_per_token", "router_top_k")
 _SUBS = ("text_config", "language_config", "thinker_config", "talker_config", "llm_config", "decoder_config")
@@ -177,6 +189,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     text, status = support_table()
     if "--write" in sys.argv:
-        DOC.parent.mkdir(exist_ok=True)
-        DOC.write_text(text)
+        write_readme_table(text)
     print(text)

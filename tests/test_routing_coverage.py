@@ -1,6 +1,6 @@
 """Every Transformers model type whose config has experts and a top-k router: build a tiny model, record,
 perturb the routers, replay, and check the experts actually used (seen by a hook on the experts modules) equal
-the trace. The result is the support table docs/routing_support.md, which this test regenerates and compares
+the trace. The result is the support table in README.md, which this test regenerates and compares
 (set MODELPATCH_WRITE_DOCS=1, or run ``python tests/routing_coverage.py --write``, to refresh it)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from routing_coverage import DOC, support_table
+from routing_coverage import readme_table, support_table, write_readme_table
 from routing_models import REQUIRED_FAMILIES
 
 
@@ -26,8 +26,8 @@ def test_support_table_is_current_and_required_families_supported():
     assert not missing, f"required families not supported: {missing}"
     assert sum(status.values()) >= 40
     if os.environ.get("MODELPATCH_WRITE_DOCS") == "1":
-        DOC.parent.mkdir(exist_ok=True)
-        DOC.write_text(text)
-    assert DOC.exists() and DOC.read_text() == text, (
-        f"{DOC} is stale: run `python tests/routing_coverage.py --write` (or MODELPATCH_WRITE_DOCS=1 pytest ...)"
+        write_readme_table(text)
+    assert readme_table() == text, (
+        "The routing support table in README.md is stale: run `python tests/routing_coverage.py --write` "
+        "(or MODELPATCH_WRITE_DOCS=1 pytest ...)"
     )

@@ -191,7 +191,7 @@ SPARSEMIXER = SparseMixerSelection()
 
 #: Family (Transformers ``model_type`` of the modeling module defining the router class) -> router kind.
 #: Families not listed use ``TOPK``; the coverage test (tests/test_routing_coverage.py) checks every family of
-#: the installed Transformers against this and regenerates docs/routing_support.md.
+#: the installed Transformers against this and regenerates the support table in README.md.
 #: Comments give each router's math as read in Transformers 5.23.
 FAMILY_KINDS: dict[str, RouterKind] = {
     # softmax over all experts -> topk -> optional renormalisation (norm_topk_prob)
