@@ -113,7 +113,6 @@ def test_founding_document_qwen2_moe_example(kv_heads, tmp_path_factory, tmp_pat
 
 
 def test_device_map_cpu(tmp_path_factory):
-    pytest.importorskip("accelerate")  # Transformers requires accelerate for any device_map
     _, folder, ck = saved(tmp_path_factory, "llama-gqa", *CASES["llama-gqa"][:1], CASES["llama-gqa"][1]())
     model = _load_fused(folder, "LlamaAttention", "llama", device_map="cpu")
     assert_params_equal(model, expected_fused(model.state_dict(), ck))
