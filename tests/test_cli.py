@@ -196,3 +196,15 @@ def test_console_script(cache):
     report = json.loads(done.stdout)
     assert report["ok"] and report["output"]["max_abs_diff"] <= 1e-5 and report["round_trip"]["bit_exact"]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["verify", "explain"])
+def test_invalid_config_json_is_a_one_line_error(command, tmp_path, capsys):
+    # found by a fresh-user test: transformers' OSError escaped as a traceback with exit status 1
+    for name in os.listdir(MINILM_DIR):
+        if name.endswith(".safetensors"):
+            shutil.copy(os.path.join(MINILM_DIR, name), tmp_path)
+    (tmp_path / "config.json").write_text("{ not json")
+    assert main([command, "--model", str(tmp_path), "--recipe", "bert-fused-qkv"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read" in err and "config.json" in err

@@ -53,6 +53,21 @@ def checkpoint_dir(path: str | os.PathLike) -> str:
     return path
 
 
+def read_config(path: str | os.PathLike):
+    """``AutoConfig.from_pretrained(path)`` for a folder already checked to hold ``config.json``.
+
+    Raises:
+        CliError: the config cannot be read (invalid JSON, unknown ``model_type``, ...), as one line.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CliError(f"cannot read '{os.path.join(os.fspath(path), 'config.json')}': {first}") from None
+
+
 def model_class(config) -> type:
     """The class to load ``config`` with: ``config.architectures[0]`` when Transformers has it, else ``AutoModel``."""
     import transformers

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .checkpoint import model_class
+from .checkpoint import model_class, read_config
 from .errors import CliError
 from .render import section, table
 from .sources import resolve_patches
@@ -31,7 +31,7 @@ def _config(model_dir: str | None, model_type: str | None):
             raise CliError(f"model folder '{model_dir}' does not exist")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise CliError(f"'{model_dir}' is not a checkpoint: no config.json")
-        return AutoConfig.from_pretrained(model_dir)
+        return read_config(model_dir)
     try:
         return AutoConfig.for_model(model_type)
     except ValueError:

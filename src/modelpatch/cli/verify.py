@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ..recipes import FULL_EXAMPLE, Recipe
-from .checkpoint import checkpoint_dir, example_checkpoint, model_class
+from .checkpoint import checkpoint_dir, example_checkpoint, model_class, read_config
 from .errors import EXIT_FAILED_CHECK, CliError
 from .inputs import model_inputs, model_output
 from .provenance import ParamSource, first_difference, parameter_provenance
@@ -112,15 +112,13 @@ def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: 
     Raises:
         CliError: the folder is not a checkpoint, or the patched load itself fails (message of the error).
     """
-    from transformers import AutoConfig
-
     from ..conversion import conversion_report
     from ..report import patch_report
 
     model_dir = checkpoint_dir(model_dir)
     torch_dtype = DTYPES[dtype]
     atol = atol if atol is not None else (1e-5 if torch_dtype == torch.float32 else 2e-2)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = read_config(model_dir)
     cls = model_class(config)
     result = VerifyResult(model_dir, recipe.name, cls.__name__, dtype, atol=atol)
     steps = tqdm(total=6, desc="modelpatch verify", unit="step", disable=None if progress is None else not progress,

@@ -100,8 +100,23 @@ class _RoutingTopKMode(TorchFunctionMode):
                     )
                 idx = _merge_forced(out[1], self.forced)
                 self.indices = idx
-                return torch.return_types.topk((inp.gather(-1, idx), idx))
+                return torch.return_types.topk((_floor_probabilities(inp, inp.gather(-1, idx)), idx))
         return func(*args, **kwargs)
+
+
+def _floor_probabilities(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Keep forced weights gathered from probabilities (softmax/sigmoid, all >= 0) above zero.
+
+    A router that drifted far from the one that chose the recorded experts can give them probabilities
+    that underflow to 0; the family's own ``p / p.sum()`` (``norm_topk_prob``) is then 0/0 and the loss or
+    the router gradients become NaN. Flooring at the smallest normal float changes nothing else (natural
+    top-k probabilities are >= 1/num_experts); the floored entries get zero gradient, the others keep
+    theirs. Raw logits (which can be negative) are left as they are: a softmax over them cannot underflow
+    to 0/0.
+    """
+    if not values.is_floating_point() or bool((scores < 0).any()):
+        return values
+    return values.clamp_min(torch.finfo(values.dtype).tiny)
 
 
 class TopKSelection(RouterKind):

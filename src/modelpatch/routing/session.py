@@ -300,11 +300,43 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     """
     session = _Session(model, None)
     session.install()
+    restore_generate = _refuse_beam_search(model)
     try:
         yield session.trace
     finally:
+        restore_generate()
         session.remove()
     session.trace._check_lengths()
+
+
+def _refuse_beam_search(model: nn.Module):
+    """While recording, ``model.generate`` with ``num_beams > 1`` raises: beam search reorders the KV cache
+    between decode steps, so rows appended by batch position would match none of the returned sequences.
+    Returns the function that restores ``model`` exactly."""
+    original = getattr(model, "generate", None)
+    if original is None:
+        return lambda: None
+    had, prev = "generate" in model.__dict__, model.__dict__.get("generate")
+
+    def generate(*args, **kwargs):
+        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+        if beams > 1:
+            raise RoutingTraceError(
+                f"record_routing does not follow beam search (num_beams={beams}): beams reorder the KV cache between "
+                "decode steps; generate with num_beams=1 (greedy or sampling), as RL rollouts do"
+            )
+        return original(*args, **kwargs)
+
+    model.__dict__["generate"] = generate
+
+    def restore() -> None:
+        if had:
+            model.__dict__["generate"] = prev
+        else:
+            model.__dict__.pop("generate", None)
+
+    return restore
 
 
 @contextmanager
