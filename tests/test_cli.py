@@ -50,6 +50,8 @@ def test_verify_without_arguments_runs_the_full_example(cache, capsys):
     assert sorted(r["target_keys"][0] for r in loads) == sorted(
         f"model.layers.{i}.self_attn.qkv_proj.{p}" for i in (0, 1) for p in ("weight", "bias"))
     assert all(p["status"] == "checkpoint" for p in report["provenance"]) and len(report["provenance"]) == 47
+    stored = set(tensors(cache / "qwen2_moe-tiny-v1"))  # provenance names keys as stored in the file
+    assert {k for p in report["provenance"] for k in p["checkpoint_keys"]} == stored
     assert report["output"]["kind"] == "logits" and report["output"]["max_abs_diff"] <= 1e-5
     assert report["round_trip"] == {"bit_exact": True, "first_difference": None}
     assert [c["name"] for c in report["checks"]] == ["patches", "loading", "provenance", "outputs", "round trip"]

@@ -59,6 +59,10 @@ class _Tensors:
     def keys(self):
         return self._where.keys()
 
+    def stored_name(self, key: str) -> str:
+        """The key as written in the file (``key`` is normalised: without the base model prefix)."""
+        return self._where[key][1] if key in self._where else key
+
     def __getitem__(self, key: str) -> torch.Tensor:
         handle, real = self._where[key]
         return handle.get_tensor(real)
@@ -115,7 +119,7 @@ def parameter_provenance(model, checkpoint_dir: str, saved_dir: str, load_rows) 
             first_name.setdefault(id(param), name)
             claimed.update(keys)
             status, detail = _compare(keys, saved, source)
-            result.append(ParamSource(name, status, keys, detail))
+            result.append(ParamSource(name, status, tuple(source.stored_name(k) for k in keys), detail))
         if pending:
             rest = tuple(k for k in source.keys() if k not in claimed and k in saved)
             if not rest:
