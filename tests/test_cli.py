@@ -120,6 +120,7 @@ def test_verify_patches_file_with_rules(tmp_path, capsys):
     (["verify", "--model", "/no/such/dir", "--recipe", "bert-fused-qkv"], "model folder '/no/such/dir' does not exist"),
     (["verify", "--model", os.path.dirname(__file__), "--recipe", "bert-fused-qkv"], "is not a checkpoint: no config.json"),
     (["verify", "--model", MINILM_DIR, "--recipe", "nope"], "unknown recipe 'nope'; known: bert-fused-qkv"),
+    (["verify", "--model", "/no/such/folder"], "model folder '/no/such/folder' does not exist"),
     (["explain", "--model-type", "bert", "--patches", "{raising}"], "raised RuntimeError: boom"),
     (["explain", "--model-type", "bert", "--patches", "no_such_module_xyz"], "patches module 'no_such_module_xyz' not found"),
     (["explain", "--model-type", "no_such_type", "--recipe", "bert-fused-qkv"], "unknown model type 'no_such_type'"),

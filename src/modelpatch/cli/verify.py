@@ -271,6 +271,8 @@ def main(args: argparse.Namespace) -> int:
     if args.model is None and args.recipe is None and args.patches is None:
         recipe, model_dir = FULL_EXAMPLE, example_checkpoint()
     else:
+        if args.model is not None:
+            checkpoint_dir(args.model)  # a missing folder is named before a missing --recipe
         recipe = resolve_patches(args.recipe, args.patches)
         model_dir = args.model if args.model is not None else example_checkpoint()
     result = run_verify(model_dir, recipe, dtype=args.dtype, atol=args.atol,
