@@ -6,8 +6,7 @@ open:
 
 * ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (which every ``Auto*`` class,
   every concrete class and every composite model building sub-models from sub-configs goes through)
-  open a registry :class:`~modelpatch.scope.PatchScope` around the whole build and load, and fix the
-  output recorders of the result;
+  open a registry :class:`~modelpatch.scope.PatchScope` around the whole build and load;
 * ``PreTrainedModel.__init__`` (which runs before a model builds its children) picks up modeling
   modules imported since the last look, so a module first imported inside a block is patched too, and
   remembers which scopes built the model, for :func:`~modelpatch.patch_report`;
@@ -60,10 +59,9 @@ def _wrap_build(name: str) -> None:
     def build(cls, *args, **kwargs):
         with _RegistryBuild(f"{cls.__name__}.{label}"):
             model = original(cls, *args, **kwargs)
-            if active_scopes() and isinstance(model, PreTrainedModel):
-                patch_output_recorders(model)
-                if name == "_from_config":
-                    _bind_conversion_rules(model)
+            # output recorders were fixed by post_init, which every model built in a scope runs
+            if name == "_from_config" and active_scopes() and isinstance(model, PreTrainedModel):
+                _bind_conversion_rules(model)
         return model
 
     setattr(build, _MARK, True)
