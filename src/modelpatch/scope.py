@@ -70,7 +70,7 @@ def refresh_catalog() -> None:
     with _LIVE_LOCK:
         new_classes = CATALOG.refresh()
         for scope in list(_LIVE):
-            scope._extend(new_classes)
+            scope._extend(_resolve(scope.mapping, new_classes))
 
 
 class PatchScope:
@@ -116,19 +116,17 @@ class PatchScope:
         self._hooked: list[type] = []
 
     # -- resolution -------------------------------------------------------------------------------
-    def _extend(self, classes) -> None:
+    def _extend(self, resolved: dict[type, tuple[PatchRule, tuple[str, ...]]]) -> None:
+        """Target the classes of ``resolved`` (see :func:`_resolve`) not targeted yet."""
         if self.closed:
             return
-        for cls in classes:
+        for cls, (rule, keys) in resolved.items():
             if cls in self.resolved:
-                continue
-            rule = self.mapping.resolve(cls.__name__)
-            if rule is None or rule.replacement is cls:
                 continue
             install_hook(cls, _lookup)
             self._hooked.append(cls)
             self.resolved[cls] = rule
-            self.candidates[cls] = tuple(r.key for r in self.mapping.rules if r.matches(cls.__name__))
+            self.candidates[cls] = keys
 
     def _saw(self, target: type) -> None:
         """A class this scope may match is being constructed (whoever ends up replacing it)."""
@@ -176,7 +174,7 @@ class PatchScope:
         with _LIVE_LOCK:
             try:
                 refresh_catalog()
-                self._extend(_cached_catalog_matches(self.mapping))
+                self._extend(_resolve_catalog(self.mapping))
                 _LIVE.add(self)
             except BaseException:
                 self._release()
@@ -254,22 +252,36 @@ def _hint(key: str) -> str:
 
 
 
-_MATCH_CACHE: "weakref.WeakKeyDictionary[PatchMapping, tuple[int, list[type]]]" = weakref.WeakKeyDictionary()
+_RESOLUTION_CACHE: dict[tuple, tuple[int, dict[type, tuple[PatchRule, tuple[str, ...]]]]] = {}
+_RESOLUTION_CACHE_SIZE = 256
 
 
-def _cached_catalog_matches(mapping: PatchMapping) -> list[type]:
-    """Catalogued classes that ``mapping`` may match, cached per mapping snapshot and catalog version."""
-    cached = _MATCH_CACHE.get(mapping)
+def _resolve(mapping: PatchMapping, classes) -> dict[type, tuple[PatchRule, tuple[str, ...]]]:
+    """``{class: (winning rule, every key that matches it)}`` for the classes ``mapping`` replaces."""
+    found = {}
+    for cls in classes:
+        rule = mapping.resolve(cls.__name__)
+        if rule is not None and rule.replacement is not cls:
+            found[cls] = (rule, tuple(r.key for r in mapping.rules if r.matches(cls.__name__)))
+    return found
+
+
+def _resolve_catalog(mapping: PatchMapping) -> dict[type, tuple[PatchRule, tuple[str, ...]]]:
+    """:func:`_resolve` over the whole catalogue, cached by the mapping's content and the catalogue version
+    (a block re-entered with an equal mapping, e.g. in a loop, does not scan the catalogue again)."""
+    key = tuple((r.key, r.replacement) for r in mapping.rules)
+    cached = _RESOLUTION_CACHE.get(key)
     if cached is not None and cached[0] == CATALOG.version:
         return cached[1]
-    candidates: list[type] = []
-    for rule in mapping.rules:
-        if rule.is_exact:
-            candidates.extend(CATALOG.classes_named(rule.key))
-    if any(not r.is_exact for r in mapping.rules):
-        candidates.extend(c for c in CATALOG.all_classes() if any(r.matches(c.__name__) for r in mapping.rules))
-    _MATCH_CACHE[mapping] = (CATALOG.version, candidates)
-    return candidates
+    if all(r.is_exact for r in mapping.rules):
+        classes = [c for r in mapping.rules for c in CATALOG.classes_named(r.key)]
+    else:
+        classes = CATALOG.all_classes()
+    resolved = _resolve(mapping, classes)
+    if len(_RESOLUTION_CACHE) >= _RESOLUTION_CACHE_SIZE:
+        _RESOLUTION_CACHE.clear()
+    _RESOLUTION_CACHE[key] = (CATALOG.version, resolved)
+    return resolved
 
 
 def apply_patches(
