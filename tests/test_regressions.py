@@ -189,3 +189,18 @@ def test_recorders_and_report_survive_deepcopy_and_pickle():
         report = patch_report(clone)
         assert [r.path for r in report.rows] == ["layers.0.mlp", "layers.1.mlp"]
         assert report.unmatched_keys == ["LlamaMLq"]
+
+
+def test_replacement_parameters_missing_from_checkpoint_are_named(tmp_path, caplog):
+    # a fused replacement loaded without conversion rules: Transformers initialises qkv_proj at random
+    from modelpatch import ConversionError
+    from modelpatch.recipes.attention import FusedQKVLlamaAttention
+
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}):
+            LlamaForCausalLM.from_pretrained(tmp_path)
+    assert "model.layers.0.self_attn (FusedQKVLlamaAttention replacing LlamaAttention): qkv_proj.weight" in caplog.text
+    with pytest.raises(ConversionError, match="model.layers.1.self_attn"):
+        with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}, strict=True):
+            LlamaForCausalLM.from_pretrained(tmp_path)

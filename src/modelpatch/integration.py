@@ -114,7 +114,10 @@ def _wrap_post_init() -> None:
 
 def install() -> None:
     """Install the wrappers (idempotent)."""
+    from .conversion import hooks as conversion_hooks
+
     install_registry_extension()
+    conversion_hooks.install()
     _wrap_build("from_pretrained")
     _wrap_build("_from_config")
     _wrap_init()

@@ -293,7 +293,9 @@ def apply_patches(
         mapping: ``{key: replacement}`` to apply inside the block only, without touching the registry.
             ``None`` applies the registry (:func:`~modelpatch.register_patch_mapping`) as it is now.
         strict: on a normal exit, raise :class:`UnmatchedPatchKeyError` if a key matched no class that
-            was built in the block (otherwise a warning naming the key is logged).
+            was built in the block (otherwise a warning naming the key is logged); and a ``from_pretrained``
+            inside the block raises :class:`~modelpatch.ConversionError` when parameters of replacement
+            modules were not in the checkpoint (otherwise a warning names the modules).
         conversion_rules: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``
             checkpoint conversion rules in force inside the block only (see
             :func:`modelpatch.conversion.conversion_rules`).

@@ -1,7 +1,6 @@
 """The one place where modelpatch wraps Transformers functions.
 
-Two module-level names of ``transformers.modeling_utils`` are replaced by thin wrappers, installed the first time a
-conversion rule is registered or a :func:`~modelpatch.conversion.registry.conversion_rules` block is entered:
+Two module-level names of ``transformers.modeling_utils`` are replaced by thin wrappers:
 
 * ``convert_and_load_state_dict_in_model`` (called by ``from_pretrained`` with the lazily opened checkpoint): when
   user rules resolve for the model, the checkpoint dict is converted lazily by :mod:`.loading` and the remaining
@@ -10,7 +9,8 @@ conversion rule is registered or a :func:`~modelpatch.conversion.registry.conver
   or built with user rules are written back in the original layout by :mod:`.saving`.
 
 With no user rule in effect and a model that was not converted, both wrappers call the original with the same
-arguments (inert). :func:`uninstall` restores the originals.
+arguments; the load wrapper then only checks that the parameters of replacement modules came from the checkpoint
+(:mod:`.unloaded`). They are installed when :mod:`modelpatch` is imported. :func:`uninstall` restores the originals.
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ _originals: dict = {}
 def _load(model, state_dict, load_config, disk_offload_index=None):
     from .compose import resolve_model_rules
     from .loading import convert_and_load
+    from .unloaded import check_replacements_loaded
 
     original = _originals["convert_and_load_state_dict_in_model"]
     resolved = resolve_model_rules(model)
     if resolved is None:
-        return original(model, state_dict, load_config, disk_offload_index)
-    return convert_and_load(model, state_dict, load_config, disk_offload_index, resolved, original)
+        result = original(model, state_dict, load_config, disk_offload_index)
+    else:
+        result = convert_and_load(model, state_dict, load_config, disk_offload_index, resolved, original)
+    check_replacements_loaded(model, result[0])
+    return result
 
 
 def _revert(model, state_dict):
