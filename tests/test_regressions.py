@@ -15,7 +15,6 @@ from transformers.pytorch_utils import Conv1D
 from helpers import INPUT_IDS, save_tiny, tiny_llama_config
 from modelpatch import (
     OutputRecorder,
-    UnmatchedPatchKeyError,
     apply_patches,
     patch_report,
     register_output_recorder,

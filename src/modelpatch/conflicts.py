@@ -36,7 +36,7 @@ class Conflict:
         advice = (
             "make the pattern narrower or use exact class names"
             if not (self.container_key.isidentifier() and self.inner_key.isidentifier())
-            else f"drop one of the two keys"
+            else "drop one of the two keys"
         )
         return (
             f"modelpatch: key {self.container_key!r} replaces the container {self.container.__name__} and key "

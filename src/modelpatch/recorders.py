@@ -79,7 +79,7 @@ class _InstanceAwareRegistry(_capturing._CanRecordRegistry):
         merged = dict(base)
         for name, specs in additions.items():
             merged[name] = _as_list(merged.get(name)) + list(specs)
-        for name, recorders in user.items():
+        for name in user:
             merged.setdefault(name, _NO_HOOK)
         if user:
             _sync_hooks(model, user)
