@@ -203,3 +203,32 @@ def test_replacement_parameters_missing_from_checkpoint_are_named(tmp_path, capl
     with pytest.raises(ConversionError, match="model.layers.1.self_attn"):
         with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}, strict=True):
             LlamaForCausalLM.from_pretrained(tmp_path)
+
+
+def test_nested_recipe_blocks_keep_both_conversion_rules(tmp_path):
+    # the inner block's rules for qwen2_moe used to replace the outer block's: fused qkv_proj came back random
+    from transformers import Qwen2MoeForCausalLM
+
+    from helpers import tiny_qwen2_moe_config
+    from modelpatch.recipes import get_recipe
+
+    vanilla = save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(num_key_value_heads=2), tmp_path)
+    with get_recipe("qwen2_moe-fused-qkv").apply(strict=True):
+        with get_recipe("qwen2_moe-linear-experts").apply(strict=True):
+            model = Qwen2MoeForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert (model(INPUT_IDS).logits - vanilla(INPUT_IDS).logits).abs().max() < 1e-5
+
+
+def test_load_converted_state_dict_applies_transformers_builtin_rules(tmp_path):
+    # Trainer resume of a plain qwen2_moe: the checkpoint stores one tensor per expert, the model a fused one
+    from transformers import Qwen2MoeForCausalLM
+
+    from helpers import tiny_qwen2_moe_config
+    from modelpatch import load_converted_state_dict
+
+    vanilla = save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(), tmp_path)
+    fresh = Qwen2MoeForCausalLM(tiny_qwen2_moe_config())
+    load_converted_state_dict(fresh, tmp_path)
+    for name, tensor in vanilla.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name

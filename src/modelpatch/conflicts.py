@@ -41,7 +41,7 @@ class Conflict:
         return (
             f"modelpatch: key {self.container_key!r} replaces the container {self.container.__name__} and key "
             f"{self.inner_key!r} also matches {self.inner.__name__}, which the original {self.container.__name__} "
-            f"builds; the replacement of {self.container.__name__} built no {self.inner.__name__}, so that "
+            f"can build; the replacement of {self.container.__name__} built no {self.inner.__name__}, so that "
             f"replacement never ran and the submodules the original container holds are missing: {advice}."
         )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .compose import ResolvedRules, resolve_model_rules
+from .compose import ResolvedRules, _search, _texts, compose_builtins, overlaps, resolve_model_rules
 from .engine import ConversionRow, load_tensor, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .io import open_checkpoint
@@ -25,8 +25,38 @@ def _resolve(model, rules) -> ResolvedRules:
         return resolved
     state = get_state(model)
     if state is not None:
-        return ResolvedRules(list(state.rules), dict(state.owner))
-    return resolve_model_rules(model) or ResolvedRules()
+        resolved = ResolvedRules(list(state.rules), dict(state.owner))
+    else:
+        resolved = resolve_model_rules(model) or ResolvedRules()
+    for rule in _builtin_rules(model, resolved):
+        resolved.rules.append(rule)
+        resolved.owner[id(rule)] = None
+    return resolved
+
+
+def _builtin_rules(model, user: ResolvedRules) -> list:
+    """Transformers' own transforms for ``model`` (what ``from_pretrained`` applies, e.g. per-expert checkpoint
+    tensors merged into a fused experts parameter) that no user rule replaces and whose targets exist in the model."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    names = list(model.state_dict())
+    kept = []
+    for builtin in compose_builtins(model, get_model_conversion_mapping(model), user):
+        if any(overlaps(builtin, rule) for rule in user.rules):
+            continue
+        targets = _texts(builtin)[len(builtin._original_source_patterns) :]
+        if not any(_search(target, name) for target in targets for name in names):
+            continue  # the model does not have the fused layout this built-in produces (e.g. per-expert experts)
+        try:
+            rule = as_modelpatch_rule(builtin)
+        except TypeError:
+            raise ConversionError(
+                f"Transformers' built-in rule {builtin!r} for {type(model).__name__} cannot be applied outside "
+                "from_pretrained; pass rules= explicitly"
+            ) from None
+        rule.scope_prefix = builtin.scope_prefix
+        kept.append(rule)
+    return kept
 
 
 def load_converted_state_dict(model, state_dict_or_path, *, rules=None, strict: bool = True) -> list[ConversionRow]:
@@ -37,7 +67,8 @@ def load_converted_state_dict(model, state_dict_or_path, *, rules=None, strict: 
         model: a (patched) ``PreTrainedModel`` with materialised parameters.
         state_dict_or_path: ``{key: Tensor}`` in checkpoint layout, a ``.safetensors`` file, or a folder with
             ``model.safetensors`` / ``model.safetensors.index.json`` (read lazily, tensor by tensor).
-        rules: rules to apply; default: the rules the model was loaded with, else the rules registered for it.
+        rules: rules to apply; default: the rules the model was loaded with, else the rules registered for it,
+            plus Transformers' built-in rules for the model that those do not replace (as ``from_pretrained``).
         strict: raise if a model parameter is not provided or a key is left over.
 
     Returns:

@@ -113,14 +113,24 @@ def clear_checkpoint_conversion_mappings() -> None:
 
 
 def lookup(name: str | None) -> RuleSet | None:
-    """The user :class:`RuleSet` in effect for ``name``: innermost scoped block first, then the global registry."""
+    """The user :class:`RuleSet` in effect for ``name``: the rules of every enclosing scoped block (innermost first)
+    and of the global registry, combined; an inner rule replaces the outer rules that produce the same parameters,
+    the others keep working (nested recipes each bring their own rules). ``overwrite``/``strict`` apply if any of
+    the combined sets asks for it."""
     if not name:
         return None
-    for scope in reversed(_scoped.get()):
-        if name in scope:
-            return scope[name]
+    from .compose import drop_replaced_builtins
+
+    sets = [scope[name] for scope in reversed(_scoped.get()) if name in scope]
     with _lock:
-        return _global.get(name)
+        if name in _global:
+            sets.append(_global[name])
+    if len(sets) <= 1:
+        return sets[0] if sets else None
+    rules = list(sets[0].rules)
+    for outer in sets[1:]:
+        rules += drop_replaced_builtins(list(outer.rules), rules)
+    return RuleSet(name, tuple(rules), any(s.overwrite for s in sets), any(s.strict for s in sets))
 
 
 def has_rules() -> bool:
@@ -155,8 +165,9 @@ def conversion_rules(
     mapping: Mapping[str, Sequence], *, overwrite: bool = False, strict: bool = False
 ) -> Iterator[None]:
     """Scoped form of :func:`register_checkpoint_conversion_mapping`: ``{name: [rules...]}`` apply to loads and saves
-    inside the block (current thread/async context only) and are gone after it, also on error. Inner blocks shadow
-    outer ones and global registrations of the same name. A model loaded inside the block keeps its rules, so saving
+    inside the block (current thread/async context only) and are gone after it, also on error. Rules of nested
+    blocks and global registrations of the same name are combined (see :func:`lookup`): an inner rule replaces only
+    the outer rules producing the same parameters. A model loaded inside the block keeps its rules, so saving
     it after the block still writes the original layout.
 
     Raises:
