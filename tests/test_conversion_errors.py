@@ -13,7 +13,8 @@ from conversion_models import (
     patched,
     randomize_,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama_config
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from modelpatch.conversion import (
     Chunk,
@@ -26,14 +27,10 @@ from modelpatch.conversion import (
     conversion_rules,
 )
 
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128)
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")
-    randomize_(LlamaForCausalLM(LlamaConfig(**CONFIG))).save_pretrained(folder)
+    randomize_(LlamaForCausalLM(tiny_llama_config())).save_pretrained(folder)
     return folder
 
 
@@ -98,7 +95,7 @@ def test_incomplete_group_is_an_error(llama, tmp_path):
     state = load_file(llama / "model.safetensors")
     del state["model.layers.1.self_attn.v_proj.weight"]
     with patched({"LlamaAttention": FusedQKVAttention}):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+        model = AutoModelForCausalLM.from_config(tiny_llama_config())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ConversionError, match="v_proj"):
         load_converted_state_dict(model, state, rules=[QKV_RULE])

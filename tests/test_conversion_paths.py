@@ -17,7 +17,8 @@ from conversion_models import (
     patched,
     randomize_,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama_config
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from modelpatch.conversion import (
     ConversionError,
@@ -27,20 +28,16 @@ from modelpatch.conversion import (
     register_checkpoint_conversion_mapping,
 )
 
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128)
-
-
 @pytest.fixture(scope="module")
 def sharded_llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama-sharded")
-    randomize_(LlamaForCausalLM(LlamaConfig(**CONFIG))).save_pretrained(folder, max_shard_size="40KB")
+    randomize_(LlamaForCausalLM(tiny_llama_config())).save_pretrained(folder, max_shard_size="40KB")
     return folder, checkpoint(folder)
 
 
 def _fused_model():
     with patched({"LlamaAttention": FusedQKVAttention}):
-        return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+        return AutoModelForCausalLM.from_config(tiny_llama_config())
 
 
 @pytest.mark.parametrize("source", ["path", "state_dict"])
