@@ -21,6 +21,7 @@ import torch
 from transformers import core_model_loading as _tcml
 
 from .errors import ConversionError
+from .pages import release_pages
 from .rules import match_rule
 
 __all__ = ["ConversionRow", "Plan", "build_plan", "LazyConverted", "shape_of", "load_tensor"]
@@ -68,6 +69,11 @@ def _dtype_of(obj) -> torch.dtype:
     if isinstance(obj, (torch.Tensor, LazyConverted)):
         return obj.dtype
     return _ST_DTYPES.get(obj.get_dtype(), torch.float32)
+
+
+def is_safetensors_slice(obj) -> bool:
+    """Whether ``obj`` is a slice of a file opened with ``safetensors.safe_open`` (its data not read yet)."""
+    return type(obj).__name__ == "PySafeSlice" and hasattr(obj, "get_shape")
 
 
 def load_tensor(obj) -> torch.Tensor:
@@ -144,7 +150,11 @@ class _GroupRunner:
         with self._lock:
             if self._outputs is None:
                 collected = {p: [load_tensor(o) for _, o in items] for p, items in self._group.sources.items()}
+                items = [item for items in self._group.sources.values() for item in items]
+                tensors = [tensor for tensors in collected.values() for tensor in tensors]  # ops may empty collected
+                mapped = [tensor for (_, obj), tensor in zip(items, tensors) if is_safetensors_slice(obj)]
                 self._outputs = _run_group(self._group, collected, self._refs)
+                release_pages(mapped, self._outputs.values())  # read once: only the converted copy stays resident
                 self._group.sources = None  # release the source tensors
             return self._outputs.pop(name)
 

@@ -50,13 +50,18 @@ _WRAPPERS = {"convert_and_load_state_dict_in_model": _load, "revert_weight_conve
 
 
 def install() -> None:
-    """Install the wrappers (idempotent, thread-safe)."""
+    """Install the wrappers (idempotent, thread-safe).
+
+    A name that someone else (a profiler, another library) wrapped again after modelpatch is left alone: that wrapper
+    calls ours, and taking it as our "original" would make ours call itself without end.
+    """
     with _lock:
         for name, wrapper in _WRAPPERS.items():
             current = getattr(_mu, name)
-            if current is not wrapper:
-                _originals[name] = current
-                setattr(_mu, name, wrapper)
+            if current is wrapper or (name in _originals and current is not _originals[name]):
+                continue
+            _originals[name] = current
+            setattr(_mu, name, wrapper)
 
 
 def uninstall() -> None:
