@@ -1,11 +1,12 @@
 """Benchmark: patched (fused-QKV, GQA) vs vanilla ``from_pretrained`` of a ~100M-parameter llama checkpoint.
 
 Each load runs in a fresh subprocess; wall time of ``from_pretrained`` and peak RSS (``VmHWM``, whole process,
-and the increase over the process after imports) are measured, repeated and the medians compared in this run.
-Also times ``save_pretrained`` of the patched model (reverse conversion to the original layout) vs vanilla.
-Target: patched/vanilla ≤ 1.15 for load time and peak RSS.
+and the increase over the process after imports) are measured, repeated (vanilla and patched interleaved) and the
+medians compared in this run. A second measure loads both ways many times in one warm process (no import or
+first-call costs, less noise). Also times ``save_pretrained`` of the patched model (reverse conversion to the
+original layout) vs vanilla. Target: patched/vanilla ≤ 1.15 for load time and peak RSS.
 
-    python benchmarks/bench_conversion.py [--repeats 5] [--layers 8]
+    python benchmarks/bench_conversion.py [--repeats 11] [--warm 15] [--layers 8]
 """
 
 from __future__ import annotations
@@ -41,6 +42,35 @@ def _rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def warm_child(folder: str, rounds: int) -> None:
+    """Median ``from_pretrained`` time of each mode over ``rounds`` interleaved loads in this process."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conversion_models import QKV_RULE, FusedQKVAttention, patched
+    from modelpatch.conversion import conversion_rules
+
+    torch.set_num_threads(1)
+
+    def load(mode):
+        start = time.perf_counter()
+        if mode == "patched":
+            with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
+                AutoModelForCausalLM.from_pretrained(folder)
+        else:
+            AutoModelForCausalLM.from_pretrained(folder)
+        return time.perf_counter() - start
+
+    for mode in ("vanilla", "patched", "vanilla", "patched"):  # warm-up: imports, first-call caches
+        load(mode)
+    times = {"vanilla": [], "patched": []}
+    for _ in range(rounds):
+        for mode in times:
+            times[mode].append(load(mode))
+    print(json.dumps({mode: statistics.median(ts) for mode, ts in times.items()}))
 
 
 def child(mode: str, folder: str, out: str | None) -> None:
@@ -80,6 +110,8 @@ def child(mode: str, folder: str, out: str | None) -> None:
 
 def _run(mode, folder, out=None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, folder] + ([out] if out else [])
+    if mode == "warm":
+        cmd = [sys.executable, os.path.abspath(__file__), "--warm-child", folder, str(out)]
     env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -87,10 +119,15 @@ def _run(mode, folder, out=None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11, help="fresh-process loads of each mode")
+    parser.add_argument("--warm", type=int, default=15, help="loads of each mode in one warm process")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--child", nargs="+")
+    parser.add_argument("--warm-child", nargs=2)
     args = parser.parse_args()
+    if args.warm_child:
+        warm_child(args.warm_child[0], int(args.warm_child[1]))
+        return
     if args.child:
         child(args.child[0], args.child[1], args.child[2] if len(args.child) > 2 else None)
         return
@@ -116,12 +153,16 @@ def main() -> None:
             print(f"{mode:8s} load {s['load_s']:.3f}s (+ first read of every weight: {s['ready_s']:.3f}s)  peak RSS {s['peak_mb']:.0f} MB "
                   f"(+{s['delta_mb']:.0f} MB over imports; {s['touched_mb']:.0f} MB once every weight was read)  "
                   f"save {runs[mode][0]['save_s']:.3f}s")
+        warm = _run("warm", folder, args.warm)
+        print(f"warm, one process, median of {args.warm}: vanilla {warm['vanilla'] * 1e3:.1f} ms, "
+              f"patched {warm['patched'] * 1e3:.1f} ms")
         v, p = med["vanilla"], med["patched"]
         print(f"ratio patched/vanilla: load time {p['load_s'] / v['load_s']:.3f}x "
               f"(load + first read of every weight {p['ready_s'] / v['ready_s']:.3f}x), peak RSS "
               f"{p['peak_mb'] / v['peak_mb']:.3f}x (increase over imports {p['delta_mb'] / max(v['delta_mb'], 1):.3f}x; "
               f"after reading every weight {p['touched_mb'] / v['touched_mb']:.3f}x), "
-              f"save time {runs['patched'][0]['save_s'] / runs['vanilla'][0]['save_s']:.3f}x")
+              f"save time {runs['patched'][0]['save_s'] / runs['vanilla'][0]['save_s']:.3f}x, "
+              f"warm load time {warm['patched'] / warm['vanilla']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -275,7 +275,7 @@ def build_plan(items, rules: list, reverse: bool = False) -> Plan:
     renamings = [r for r in rules if not isinstance(r, _tcml.WeightConverter)]
     converters = [r for r in rules if isinstance(r, _tcml.WeightConverter)]
     groups, passthrough, renamed, fired = {}, {}, [], set()
-    for key, obj in sorted(items, key=lambda kv: _tcml.dot_natural_key(kv[0])):
+    for key, obj in items:
         new_key = key
         if not reverse:
             for rule in renamings:
@@ -301,6 +301,9 @@ def build_plan(items, rules: list, reverse: bool = False) -> Plan:
             if new_key in passthrough:
                 raise ConversionError(f"Two checkpoint keys are renamed to '{new_key}'")
             passthrough[new_key] = obj
+    natural = _tcml.dot_natural_key  # experts.10 after experts.9; only the keys a rule took are sorted
+    groups = dict(sorted(groups.items(), key=lambda kv: natural(kv[0])))
+    renamed.sort(key=lambda row: natural(row[1]))
     for group in groups.values():
         patterns = group.rule.source_patterns
         missing = [p for p in patterns if p not in group.sources]
@@ -308,6 +311,7 @@ def build_plan(items, rules: list, reverse: bool = False) -> Plan:
             raise ConversionError(
                 f"{group.rule!r}: '{group.key}' is missing source(s) {missing}; found only {list(group.source_keys())}"
             )
+        group.sources = {p: sorted(group.sources[p], key=lambda kv: natural(kv[0])) for p in patterns}
         lengths = {p: len(v) for p, v in group.sources.items()}
         if len(set(lengths.values())) > 1:
             raise ConversionError(f"{group.rule!r}: '{group.key}' has module lists of different lengths {lengths}")
