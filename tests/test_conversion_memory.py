@@ -115,3 +115,15 @@ def test_another_wrapper_installed_after_ours_is_kept_and_called(wide_llama):
     finally:
         modeling_utils.convert_and_load_state_dict_in_model = ours
     assert hooks.installed()
+
+
+@linux_only
+def test_only_the_sources_own_bytes_are_released_from_a_shared_buffer():
+    """A source that is a view into a larger buffer (one storage for a whole file) releases its own pages only."""
+    page = 4096 // 4
+    buffer = torch.arange(8 * page, dtype=torch.float32)
+    before = buffer.clone()
+    source = buffer[2 * page: 6 * page]
+    assert 0 < release_pages([source], []) <= 4 * 4096
+    assert torch.equal(buffer[: 2 * page], before[: 2 * page])  # the neighbours in the same storage are intact
+    assert torch.equal(buffer[6 * page:], before[6 * page:])

@@ -8,8 +8,8 @@ alive, on top of the converted copy. Once a group is converted and none of its o
 :func:`release_pages` tells the kernel the process no longer needs those pages (``madvise(MADV_DONTNEED)``): a file
 page comes back from the page cache, unchanged, if it is ever read again.
 
-Only Linux, and only the pages lying wholly inside a source tensor (a page shared with a neighbouring tensor of the
-file is kept). ``MADV_DONTNEED`` would zero anonymous memory, which is why callers pass only tensors that nothing
+Only Linux, and only the pages lying wholly inside a source tensor's own bytes (a page shared with a neighbouring
+tensor of the file is kept, and so is the rest of a storage the tensor may be a view of). ``MADV_DONTNEED`` would zero anonymous memory, which is why callers pass only tensors that nothing
 else uses any more (the sources of a finished group); elsewhere this module does nothing.
 """
 
@@ -69,7 +69,10 @@ def release_pages(sources, outputs) -> int:
         return 0
     released = 0
     for tensor in sources:
-        start, end = _span(tensor)
+        if not tensor.is_contiguous():
+            continue
+        start = tensor.data_ptr()  # the tensor's own bytes, never the rest of a storage it may share with others
+        end = start + tensor.numel() * tensor.element_size()
         first = -(-start // _PAGE) * _PAGE  # round up: the page holding the head may hold the previous tensor
         last = end // _PAGE * _PAGE
         if last > first and _madvise(first, last - first, _MADV_DONTNEED) == 0:
