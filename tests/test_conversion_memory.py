@@ -127,3 +127,17 @@ def test_only_the_sources_own_bytes_are_released_from_a_shared_buffer():
     assert 0 < release_pages([source], []) <= 4 * 4096
     assert torch.equal(buffer[: 2 * page], before[: 2 * page])  # the neighbours in the same storage are intact
     assert torch.equal(buffer[6 * page:], before[6 * page:])
+
+
+@linux_only
+def test_slices_a_caller_passes_are_not_released(wide_llama):
+    """A caller's in-place edit of a tensor from its own handle must survive passing slices of that handle."""
+    folder, ck = wide_llama
+    key = "model.layers.0.self_attn.q_proj.weight"
+    with patched({"LlamaAttention": FusedQKVAttention}):
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(hidden_size=128, num_attention_heads=4))
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        mine = handle.get_tensor(key)
+        mine.mul_(2)  # copy-on-write pages of the caller's mapping
+        load_converted_state_dict(model, {k: handle.get_slice(k) for k in handle.keys()}, rules=[QKV_RULE])
+        assert torch.equal(mine, 2 * ck[key])

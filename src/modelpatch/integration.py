@@ -10,7 +10,8 @@ open:
 * ``PreTrainedModel.__init__`` (which runs before a model builds its children) picks up modeling
   modules imported since the last look, so a module first imported inside a block is patched too, and
   remembers which scopes built the model, for :func:`~modelpatch.patch_report`;
-* ``PreTrainedModel.post_init`` fixes the output recorders of models built inside a block.
+* ``PreTrainedModel.post_init`` fixes the output recorders of models built inside a block and binds the conversion
+  rules in effect that fit them (so they save their original layout after the block).
 """
 
 from __future__ import annotations
@@ -58,21 +59,10 @@ def _wrap_build(name: str) -> None:
     @functools.wraps(original)
     def build(cls, *args, **kwargs):
         with _RegistryBuild(f"{cls.__name__}.{label}"):
-            model = original(cls, *args, **kwargs)
-            # output recorders were fixed by post_init, which every model built in a scope runs
-            if name == "_from_config" and active_scopes() and isinstance(model, PreTrainedModel):
-                _bind_conversion_rules(model)
-        return model
+            return original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
 
     setattr(build, _MARK, True)
     setattr(PreTrainedModel, name, classmethod(build))
-
-
-def _bind_conversion_rules(model) -> None:
-    """Let a model built from a config inside a scope save its original layout after the scope exits."""
-    from .conversion import bind_conversion_rules
-
-    bind_conversion_rules(model)
 
 
 def _wrap_init() -> None:
@@ -103,9 +93,12 @@ def _wrap_post_init() -> None:
 
     @functools.wraps(original)
     def post_init(self, *args, **kwargs):
+        from .conversion.saving import bind_conversion_rules
+
         result = original(self, *args, **kwargs)
-        if build_record(self) is not None:
+        if build_record(self) is not None:  # built inside a block (from_config, from_pretrained or a constructor)
             patch_output_recorders(self)
+            bind_conversion_rules(self)  # saves its original layout after the block too (a load rebinds)
         return result
 
     setattr(post_init, _MARK, True)

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from . import registry
 from .rules import pattern_regex
 
-__all__ = ["ResolvedRules", "resolve_model_rules", "compose_builtins", "drop_replaced_builtins"]
+__all__ = ["ResolvedRules", "resolve_model_rules", "compose_builtins", "drop_replaced_builtins", "rules_fitting_model"]
 
 
 @dataclass
@@ -69,6 +69,53 @@ def resolve_model_rules(model) -> ResolvedRules | None:
             resolved.owner[id(rule)] = ruleset.name
         resolved.entries.append((ruleset, scope, sub))
     return resolved if resolved.entries else None
+
+
+def _has_builtin_layout(sub, names) -> bool:
+    """Whether the model has parameters named like the targets of a built-in Transformers converter of ``sub``."""
+    from transformers import core_model_loading as _tcml
+
+    rules = registry.builtin_rules(type(sub).__name__)
+    if rules is None:
+        rules = registry.builtin_rules(getattr(sub.config, "model_type", None)) or []
+    for rule in rules:
+        if isinstance(rule, _tcml.WeightConverter):
+            targets = _texts(rule)[len(rule._original_source_patterns):]
+            if any(_search(target, name) for target in targets for name in names):
+                return True
+    return False
+
+
+def rules_fitting_model(model, resolved: ResolvedRules | None) -> ResolvedRules | None:
+    """``resolved`` without the converters whose target layout ``model`` does not have (e.g. per-expert rules in
+    effect while an unpatched model with fused experts is saved), without the registry entries whose converters all
+    went, and without ``overwrite`` entries while the model still has the layout of the built-in rules they replace;
+    ``None`` when nothing is left. Saving such a model must reverse Transformers' own rules only."""
+    from transformers import core_model_loading as _tcml
+
+    from .rules import match_rule
+
+    if resolved is None:
+        return None
+    names = list(model.state_dict())
+
+    def fits(rule) -> bool:
+        reverse = rule.reverse_transform()
+        return any(match_rule(reverse, name) is not None for name in names)
+
+    fitting = ResolvedRules()
+    for ruleset, scope, sub in resolved.entries:
+        mine = [r for r in resolved.rules if resolved.owner[id(r)] == ruleset.name and r.scope_prefix == scope]
+        converters = {id(r) for r in mine if isinstance(r, _tcml.WeightConverter)}
+        kept = [r for r in mine if id(r) not in converters or fits(r)]
+        if converters and not any(id(r) in converters for r in kept):
+            continue
+        if ruleset.overwrite and _has_builtin_layout(sub, names):
+            continue  # the entry replaces built-in rules whose layout the model still has (an unpatched model)
+        fitting.rules.extend(kept)
+        fitting.owner.update({id(r): ruleset.name for r in kept})
+        fitting.entries.append((ruleset, scope, sub))
+    return fitting if fitting.entries else None
 
 
 def _texts(rule) -> list[str]:

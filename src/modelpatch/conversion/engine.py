@@ -141,8 +141,8 @@ def _run_group(group: _Group, collected: dict, reference_shapes, with_names: boo
 class _GroupRunner:
     """Converts one group on first request and hands out its outputs one by one (thread-safe)."""
 
-    def __init__(self, group: _Group, reference_shapes):
-        self._group, self._refs = group, reference_shapes
+    def __init__(self, group: _Group, reference_shapes, release_mapped_sources: bool):
+        self._group, self._refs, self._release = group, reference_shapes, release_mapped_sources
         self._lock = threading.Lock()
         self._outputs: dict | None = None
 
@@ -152,7 +152,7 @@ class _GroupRunner:
                 collected = {p: [load_tensor(o) for _, o in items] for p, items in self._group.sources.items()}
                 items = [item for items in self._group.sources.values() for item in items]
                 tensors = [tensor for tensors in collected.values() for tensor in tensors]  # ops may empty collected
-                mapped = [tensor for (_, obj), tensor in zip(items, tensors) if is_safetensors_slice(obj)]
+                mapped = [t for (_, obj), t in zip(items, tensors) if self._release and is_safetensors_slice(obj)]
                 self._outputs = _run_group(self._group, collected, self._refs)
                 release_pages(mapped, self._outputs.values())  # read once: only the converted copy stays resident
                 self._group.sources = None  # release the source tensors
@@ -227,12 +227,27 @@ class Plan:
                 out[name] = (shape, dtype, group)
         return out
 
-    def lazy_outputs(self, dry: dict) -> dict[str, LazyConverted]:
+    def unconvert(self, group: _Group, dry: dict) -> None:
+        """Take ``group`` out of the plan: its sources pass through unconverted under their checkpoint keys (and its
+        outputs leave ``dry``)."""
+        del self.groups[group.key]
+        for items in group.sources.values():
+            for key, obj in items:
+                self.passthrough[key] = obj
+        for name in [n for n, (_, _, g) in dry.items() if g is group]:
+            del dry[name]
+
+    def lazy_outputs(self, dry: dict, release_mapped_sources: bool = False) -> dict[str, LazyConverted]:
         """Lazy placeholders for every converted key of a forward plan (one shared runner per group), converted
-        with the reference shapes given to :meth:`dry_run`."""
+        with the reference shapes given to :meth:`dry_run`.
+
+        ``release_mapped_sources``: once a group is converted, give the pages of its safetensors-slice sources back
+        to the kernel (:mod:`.pages`). Only for file handles nobody else holds (the loader's own, or opened here):
+        a page a caller had modified through another tensor of the same handle would revert to the file.
+        """
         if self.reverse:
             raise ConversionError("lazy conversion is only available for loading (reverse=False)")
-        runners = {id(g): _GroupRunner(g, self.references) for g in self.groups.values()}
+        runners = {id(g): _GroupRunner(g, self.references, release_mapped_sources) for g in self.groups.values()}
         return {name: LazyConverted(runners[id(g)], name, shape, dtype) for name, (shape, dtype, g) in dry.items()}
 
     def convert_all(self, reference_shapes=None, materialize_passthrough: bool = False) -> dict:
@@ -262,11 +277,17 @@ class Plan:
         return rows
 
 
-def build_plan(items, rules: list, reverse: bool = False) -> Plan:
+def build_plan(items, rules: list, reverse: bool = False, key_renamings=(), keep_unconverted_keys: bool = False) -> Plan:
     """Group ``(key, tensor_like)`` pairs by rule.
 
     Load order (``reverse=False``): every matching renaming in turn, then the first matching converter. Save order
     (``reverse=True``, rules already reversed): the first matching converter, renamings applied to its outputs.
+
+    ``key_renamings`` are Transformers' own renamings for the model (the ``WeightRenaming`` entries of what
+    ``from_pretrained`` computed, legacy layouts and ``key_mapping=`` included): applied to every key before the
+    rules match, as Transformers applies its renamings before its converters, so converted keys come out in the
+    model's namespace. With ``keep_unconverted_keys`` a key no rule touches stays under its checkpoint name (for
+    ``from_pretrained``, which renames it itself exactly as in a vanilla load).
 
     Raises:
         ConversionError: a many-to-one group misses one of its sources, or the module lists of a group have
@@ -276,14 +297,15 @@ def build_plan(items, rules: list, reverse: bool = False) -> Plan:
     converters = [r for r in rules if isinstance(r, _tcml.WeightConverter)]
     groups, passthrough, renamed, fired = {}, {}, [], set()
     for key, obj in items:
-        new_key = key
+        new_key = _tcml.apply_renamings(key, key_renamings) if key_renamings else key
+        user_renamed = False
         if not reverse:
             for rule in renamings:
                 match = match_rule(rule, new_key)
                 if match is not None:
                     fired.add(id(rule))
                     renamed.append((rule, new_key, match.renamed_key))
-                    new_key = match.renamed_key
+                    new_key, user_renamed = match.renamed_key, True
         for rule in converters:
             match = match_rule(rule, new_key)
             if match is not None:
@@ -298,6 +320,8 @@ def build_plan(items, rules: list, reverse: bool = False) -> Plan:
                     if match is not None:
                         fired.add(id(rule))
                         new_key = match.renamed_key
+            if keep_unconverted_keys and not user_renamed:
+                new_key = key
             if new_key in passthrough:
                 raise ConversionError(f"Two checkpoint keys are renamed to '{new_key}'")
             passthrough[new_key] = obj

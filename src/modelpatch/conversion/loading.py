@@ -5,6 +5,9 @@ Transformers' own loader (``from_pretrained``), or copy it into an existing mode
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
+
+from transformers import core_model_loading as _tcml
 
 from transformers.utils import logging
 
@@ -14,7 +17,7 @@ from .errors import ConversionError, ConversionShapeError
 from .reference import state_shapes
 from .state import ConversionState, set_state
 
-__all__ = ["prepare", "convert_and_load"]
+__all__ = ["prepare", "convert_and_load", "transformers_renamings"]
 
 logger = logging.get_logger("modelpatch.conversion")
 
@@ -43,23 +46,40 @@ def _check_unmatched(plan: Plan, resolved: ResolvedRules) -> None:
         logger.warning(message)
 
 
-def prepare(model, items, resolved: ResolvedRules):
+def _leave_absent_modules_unconverted(plan: Plan, dry: dict, model_shapes: dict, prefix: str) -> None:
+    """Groups whose outputs all name parameters the model does not have, while the same rule filled parameters the
+    model has (e.g. a checkpoint with more layers than ``num_hidden_layers``), are not converted: their checkpoint
+    keys stay unexpected keys, as in a vanilla load. A rule that fills no parameter at all stays an error."""
+    outputs = defaultdict(list)
+    for name, (_, _, group) in dry.items():
+        outputs[id(group)].append((model_key(name, model_shapes, prefix) is not None, group))
+    useful_rules = {id(group.rule) for entries in outputs.values() for present, group in entries if present}
+    for entries in outputs.values():
+        group = entries[0][1]
+        if not any(present for present, _ in entries) and id(group.rule) in useful_rules:
+            plan.unconvert(group, dry)
+
+
+def prepare(model, items, resolved: ResolvedRules, key_renamings=(), keep_unconverted_keys: bool = False):
     """Plan the conversion of ``items`` (``(key, tensor_like)``) for ``model`` and validate it on meta tensors.
 
-    Returns ``(plan, dry, state)`` where ``dry`` maps each converted key to ``(shape, dtype, group)``.
+    ``key_renamings`` and ``keep_unconverted_keys`` are passed to :func:`~.engine.build_plan`. Returns
+    ``(plan, dry, state)`` where ``dry`` maps each converted key to ``(shape, dtype, group)``.
 
     Raises:
         ConversionShapeError: a converted tensor does not fit its parameter (key and both shapes named).
-        ConversionError: a converted key is not a parameter of the model, a strict rule matched nothing, or an
-            operation cannot be applied. Nothing has been loaded when these are raised.
+        ConversionError: a rule's converted keys name no parameter of the model, a strict rule matched nothing, or
+            an operation cannot be applied. Nothing has been loaded when these are raised.
     """
     model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    plan = build_plan(items, resolved.rules)
+    prefix = model.base_model_prefix
+    plan = build_plan(items, resolved.rules, key_renamings=key_renamings, keep_unconverted_keys=keep_unconverted_keys)
     _check_unmatched(plan, resolved)
-    references = state_shapes(model_shapes.items(), model.base_model_prefix)
+    references = state_shapes(model_shapes.items(), prefix)
     dry = plan.dry_run(references)
+    _leave_absent_modules_unconverted(plan, dry, model_shapes, prefix)
     for name, (shape, _, group) in dry.items():
-        key = model_key(name, model_shapes, model.base_model_prefix)
+        key = model_key(name, model_shapes, prefix)
         if key is None:
             raise ConversionError(
                 f"{group.rule!r} produced '{name}' (from {list(group.source_keys())}), which is not a parameter of "
@@ -73,16 +93,21 @@ def prepare(model, items, resolved: ResolvedRules):
     return plan, dry, state
 
 
+def transformers_renamings(weight_mapping) -> list:
+    """The renamings among the transforms Transformers computed for a load (legacy layouts, ``key_mapping=``)."""
+    return [t for t in weight_mapping or [] if isinstance(t, _tcml.WeightRenaming)]
+
+
 def convert_and_load(model, state_dict, load_config, disk_offload_index, resolved: ResolvedRules, original):
     """``convert_and_load_state_dict_in_model`` with user rules (see :mod:`.hooks`): ``state_dict`` holds the lazily
     opened checkpoint (safetensors slices or tensors); converted keys are replaced by :class:`LazyConverted`
     placeholders and ``original`` does the loading, with the built-in rules the user rules do not replace."""
     if load_config.hf_quantizer is not None:
         raise ConversionError("modelpatch conversion rules cannot be combined with quantization yet")
-    plan, dry, state = prepare(model, state_dict.items(), resolved)
-    converted = dict(plan.passthrough)
-    converted.update(plan.lazy_outputs(dry))
     builtins = compose_builtins(model, list(load_config.weight_mapping or []), resolved)
+    plan, dry, state = prepare(model, state_dict.items(), resolved, transformers_renamings(builtins), True)
+    converted = dict(plan.passthrough)
+    converted.update(plan.lazy_outputs(dry, release_mapped_sources=True))  # the loader's own file handles
     result = original(model, converted, dataclasses.replace(load_config, weight_mapping=builtins), disk_offload_index)
     set_state(model, state)
     return result

@@ -3,46 +3,52 @@
 from __future__ import annotations
 
 import torch
+from transformers import core_model_loading as _tcml
 
 from .compose import ResolvedRules, _search, _texts, compose_builtins, overlaps, resolve_model_rules
-from .engine import ConversionRow, load_tensor, shape_of
+from .engine import ConversionRow, LazyConverted, load_tensor, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .io import open_checkpoint
-from .loading import model_key, prepare
+from .loading import model_key, prepare, transformers_renamings
 from .rules import as_modelpatch_rule
 from .state import get_state, set_state
 
 __all__ = ["load_converted_state_dict"]
 
 
-def _resolve(model, rules) -> ResolvedRules:
+def _resolve(model, rules) -> tuple[ResolvedRules, list]:
+    """The rules to apply and Transformers' own key renamings for ``model`` (applied before the rules)."""
     if rules is not None:
         resolved = ResolvedRules()
         for rule in rules:
             rule = as_modelpatch_rule(rule)
             resolved.rules.append(rule)
             resolved.owner[id(rule)] = None
-        return resolved
+        return resolved, []
     state = get_state(model)
     if state is not None:
         resolved = ResolvedRules(list(state.rules), dict(state.owner))
     else:
         resolved = resolve_model_rules(model) or ResolvedRules()
-    for rule in _builtin_rules(model, resolved):
+    converters, renamings = _builtin_transforms(model, resolved)
+    for rule in converters:
         resolved.rules.append(rule)
         resolved.owner[id(rule)] = None
-    return resolved
+    return resolved, renamings
 
 
-def _builtin_rules(model, user: ResolvedRules) -> list:
-    """Transformers' own transforms for ``model`` (what ``from_pretrained`` applies, e.g. per-expert checkpoint
-    tensors merged into a fused experts parameter) that no user rule replaces and whose targets exist in the model."""
+def _builtin_transforms(model, user: ResolvedRules) -> tuple[list, list]:
+    """Transformers' own transforms for ``model`` (what ``from_pretrained`` applies) that no user rule replaces:
+    converters whose targets exist in the model (e.g. per-expert checkpoint tensors merged into a fused experts
+    parameter), as modelpatch rules, and renamings (legacy layouts), as they are."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     names = list(model.state_dict())
-    kept = []
-    for builtin in compose_builtins(model, get_model_conversion_mapping(model), user):
-        if any(overlaps(builtin, rule) for rule in user.rules):
+    converters = []
+    builtins = compose_builtins(model, get_model_conversion_mapping(model), user)
+    renamings = transformers_renamings(builtins)
+    for builtin in builtins:
+        if isinstance(builtin, _tcml.WeightRenaming) or any(overlaps(builtin, rule) for rule in user.rules):
             continue
         targets = _texts(builtin)[len(builtin._original_source_patterns) :]
         if not any(_search(target, name) for target in targets for name in names):
@@ -55,8 +61,18 @@ def _builtin_rules(model, user: ResolvedRules) -> list:
                 "from_pretrained; pass rules= explicitly"
             ) from None
         rule.scope_prefix = builtin.scope_prefix
-        kept.append(rule)
-    return kept
+        converters.append(rule)
+    return converters, renamings
+
+
+def _check_readable(plan, targets: dict) -> None:
+    """Refuse data that cannot be read (meta tensors, e.g. the ``state_dict()`` of a disk-offloaded model) before
+    anything is written."""
+    sources = [(k, o) for g in plan.groups.values() for items in g.sources.values() for k, o in items]
+    sources += [(k, o) for k, o in targets.items() if not isinstance(o, LazyConverted)]
+    for key, obj in sources:
+        if isinstance(obj, torch.Tensor) and obj.is_meta:
+            raise ConversionError(f"'{key}' has no data (a meta tensor). The model was not modified.")
 
 
 def load_converted_state_dict(model, state_dict_or_path, *, rules=None, strict: bool = True) -> list[ConversionRow]:
@@ -79,12 +95,13 @@ def load_converted_state_dict(model, state_dict_or_path, *, rules=None, strict: 
         ConversionError: missing/unexpected keys (``strict``), a rule that cannot be applied.
         Everything is checked before the first parameter is written: on error the model is unchanged.
     """
-    resolved = _resolve(model, rules)
+    resolved, renamings = _resolve(model, rules)
     base_prefix = model.base_model_prefix
+    opened_here = not isinstance(state_dict_or_path, dict)
     with open_checkpoint(state_dict_or_path) as items:
-        plan, dry, state = prepare(model, items.items(), resolved)
+        plan, dry, state = prepare(model, items.items(), resolved, renamings)
         converted = dict(plan.passthrough)
-        converted.update(plan.lazy_outputs(dry))
+        converted.update(plan.lazy_outputs(dry, release_mapped_sources=opened_here))
         model_state = model.state_dict()
         targets, unexpected = {}, []
         for name, obj in converted.items():
@@ -97,6 +114,7 @@ def load_converted_state_dict(model, state_dict_or_path, *, rules=None, strict: 
             targets[key] = obj
         loaded_ptrs = {model_state[k].data_ptr() for k in targets}
         missing = [k for k in model_state if k not in targets and model_state[k].data_ptr() not in loaded_ptrs]
+        _check_readable(plan, targets)
         if strict and (missing or unexpected):
             raise ConversionError(
                 f"Cannot load into {type(model).__name__}: missing keys {missing[:10]}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import conversion_mapping as _tcm
 from transformers import core_model_loading as _tcml
 
-from .compose import compose_builtins, resolve_model_rules
+from .compose import compose_builtins, resolve_model_rules, rules_fitting_model
 from .engine import build_plan
 from .reference import ReferenceShapes
 from .state import ConversionState, get_state
@@ -40,7 +40,7 @@ def revert_to_original_layout(model, state_dict: dict, original) -> dict:
     state = get_state(model)
     restore = False
     if state is None:
-        resolved = resolve_model_rules(model)
+        resolved = rules_fitting_model(model, resolve_model_rules(model))
         if resolved is None:
             return original(model, state_dict)
         state = ConversionState(resolved.rules, resolved.owner)
@@ -58,14 +58,15 @@ def revert_to_original_layout(model, state_dict: dict, original) -> dict:
 
 
 def bind_conversion_rules(model) -> bool:
-    """Attach the user rules in effect now to ``model`` (e.g. one built by ``from_config`` inside a scoped block), so
-    that ``save_pretrained`` writes the original layout even after the block has exited. Models loaded by
-    ``from_pretrained`` with rules are bound automatically. Returns whether any rule was bound."""
+    """Attach the user rules in effect now to ``model`` (e.g. one built inside a scoped block), so that
+    ``save_pretrained`` writes the original layout even after the block has exited. Only converters whose target
+    layout the model has are bound. Models built or loaded inside a block are bound automatically. Returns whether
+    any rule was bound."""
     from .state import set_state
 
     if get_state(model) is not None:
         return True
-    resolved = resolve_model_rules(model)
+    resolved = rules_fitting_model(model, resolve_model_rules(model))
     if resolved is None:
         return False
     set_state(model, ConversionState(resolved.rules, resolved.owner))
