@@ -12,6 +12,7 @@ from contextlib import ExitStack
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
 from .engine import ConversionRow, build_plan, load_tensor
@@ -22,6 +23,8 @@ from .registry import get_checkpoint_conversion_mapping
 from .rules import as_modelpatch_rule
 
 __all__ = ["convert_checkpoint"]
+
+logger = logging.get_logger("modelpatch.conversion")
 
 
 def _config_reference_shapes(src: str) -> dict:
@@ -62,6 +65,18 @@ def _rules_for(name, rules, reverse):
     return rules
 
 
+def _check_matched(plan, rules: list, src: str) -> None:
+    """No rule matched any key: refuse (the output would be a copy); some rules matched nothing: warn."""
+    if not plan.fired:
+        raise ConversionError(
+            f"No conversion rule matched any key of '{src}' (rules: {rules!r}); nothing was written. Is the "
+            "checkpoint already in the target layout, or should --reverse be used?"
+        )
+    for rule in rules:
+        if id(rule) not in plan.fired:
+            logger.warning(f"Conversion rule {rule!r} matched no key of '{src}'")
+
+
 def convert_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -76,8 +91,9 @@ def convert_checkpoint(
     Args:
         src: checkpoint folder (``model.safetensors`` or sharded with ``model.safetensors.index.json``) or a
             ``.safetensors`` file. Other files of the folder (config, tokenizer) are copied to ``dst``.
-        dst: output folder (created; must not be ``src``). One output shard per input shard, plus an index when
-            sharded; dtypes are preserved.
+        dst: output folder (created; must not be ``src``). One output shard per input shard that still holds a
+            tensor (a converted group goes to the shard of its last source), plus an index with ``total_size``
+            when sharded; dtypes are preserved.
         model_type_or_class_name: registry name whose effective rules (user rules and the built-ins they do not
             replace, see :func:`get_checkpoint_conversion_mapping`) are applied.
         rules: explicit rules instead of a registry name.
@@ -89,8 +105,8 @@ def convert_checkpoint(
         Report rows (direction ``"offline"``).
 
     Raises:
-        ConversionError: no checkpoint, no rules, incomplete groups or undeterminable split sizes. Raised before
-            any file is written when detected from shapes alone.
+        ConversionError: no checkpoint, no rules, no rule matching any key, incomplete groups or undeterminable
+            split sizes. Raised before any file is written when detected from shapes alone.
     """
     src, dst = os.fspath(src), os.fspath(dst)
     if os.path.abspath(src) == os.path.abspath(dst):
@@ -106,6 +122,7 @@ def convert_checkpoint(
             for key in handle.keys():
                 items[key], file_of[key] = handle.get_slice(key), index
         plan = build_plan(items.items(), rules, reverse=reverse)
+        _check_matched(plan, rules, src)
         dry = plan.dry_run(references)  # validates every group before writing
         # A group is written with the shard holding its last source key; passthrough keys stay in their shard.
         groups_by_file: dict[int, list] = {}
@@ -117,11 +134,12 @@ def convert_checkpoint(
         for name, obj in plan.passthrough.items():
             passthrough_by_file.setdefault(file_of[original_of[id(obj)]], []).append((name, obj))
         os.makedirs(dst, exist_ok=True)
-        n = len(files)
-        show = progress if progress is not None else n > 1
-        weight_map, produced = {}, {}
-        for index in tqdm(range(n), desc="Converting shards", disable=not show):
-            out_name = SAFE_WEIGHTS_NAME if n == 1 else f"model-{index + 1:05d}-of-{n:05d}.safetensors"
+        written = [i for i in range(len(files)) if i in passthrough_by_file or i in groups_by_file]  # no empty shard
+        n = len(written)
+        show = progress if progress is not None else len(files) > 1
+        weight_map, produced, total_size = {}, {}, 0
+        for number, index in enumerate(tqdm(written, desc="Converting shards", disable=not show), start=1):
+            out_name = SAFE_WEIGHTS_NAME if n == 1 else f"model-{number:05d}-of-{n:05d}.safetensors"
             tensors = {name: load_tensor(obj) for name, obj in passthrough_by_file.get(index, [])}
             for group in groups_by_file.get(index, []):
                 sub = type(plan)({group.key: group}, {}, [], set(), plan.reverse, plan.renamings)
@@ -131,10 +149,12 @@ def convert_checkpoint(
             save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, out_name),
                       metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, out_name))
+            total_size += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors
     if n > 1:
         with open(os.path.join(dst, SAFE_WEIGHTS_INDEX_NAME), "w") as fh:
-            json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
+            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            json.dump(index, fh, indent=2)
     if os.path.isdir(src):
         for entry in os.listdir(src):
             path = os.path.join(src, entry)
