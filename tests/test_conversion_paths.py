@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from modelpatch.conversion import (
     ConversionError,
     conversion_report,
+    conversion_rules,
     convert_checkpoint,
     load_converted_state_dict,
     register_checkpoint_conversion_mapping,
@@ -69,7 +70,10 @@ def test_offline_convert_and_reverse_sharded(sharded_llama, tmp_path):
     fused = checkpoint(tmp_path / "fused")
     assert "model.layers.1.self_attn.qkv_proj.weight" in fused and "model.layers.1.self_attn.q_proj.weight" not in fused
     index = json.loads((tmp_path / "fused" / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) == n_shards
+    assert len(set(index["weight_map"].values())) <= n_shards
+    written = sorted(p.name for p in (tmp_path / "fused").glob("*.safetensors"))
+    assert written == sorted(set(index["weight_map"].values()))  # no shard file the index does not list
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in fused.values())
     with patched({"LlamaAttention": FusedQKVAttention}):  # converted layout loads with no rule at all
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "fused")
     assert_params_equal(model, expected_fused(model.state_dict(), ck))
@@ -98,3 +102,20 @@ def test_offline_renaming_round_trip(sharded_llama, tmp_path):
     assert len(rows) == 2
     convert_checkpoint(tmp_path / "renamed", tmp_path / "back", rules=[rule], reverse=True)
     assert_same_tensors(checkpoint(tmp_path / "back"), ck)
+
+
+def test_offline_convert_refuses_rules_matching_nothing(sharded_llama, tmp_path):
+    folder, _ = sharded_llama
+    with pytest.raises(ConversionError, match="No conversion rule matched any key"):
+        convert_checkpoint(folder, tmp_path / "out", rules=[QKV_RULE], reverse=True)  # not a fused checkpoint
+    assert not (tmp_path / "out").exists()
+
+
+def test_already_converted_checkpoint_saves_the_original_layout(sharded_llama, tmp_path):
+    """A checkpoint written by convert_checkpoint loads with the rules (none fires) and still saves back."""
+    folder, ck = sharded_llama
+    convert_checkpoint(folder, tmp_path / "fused", rules=[QKV_RULE])
+    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "fused")
+    model.save_pretrained(tmp_path / "saved")
+    assert_same_tensors(checkpoint(tmp_path / "saved"), ck)

@@ -107,6 +107,36 @@ def test_apply_patches_as_decorator():
     assert type(LlamaModel(tiny_llama_config()).layers[0].self_attn) is modeling_llama.LlamaAttention
 
 
+def test_apply_patches_decorates_async_functions_and_refuses_generators():
+    import asyncio
+
+    @apply_patches({"LlamaAttention": Attention})
+    async def build():
+        await asyncio.sleep(0)
+        return LlamaModel(tiny_llama_config())
+
+    assert type(asyncio.run(build()).layers[0].self_attn) is Attention  # the block spans the coroutine's body
+    assert type(LlamaModel(tiny_llama_config()).layers[0].self_attn) is modeling_llama.LlamaAttention
+    with pytest.raises(TypeError, match="generator function"):
+
+        @apply_patches({"LlamaAttention": Attention})
+        def layers():
+            yield LlamaModel(tiny_llama_config())
+
+
+def test_strict_block_raises_for_a_conversion_rule_matching_nothing(tmp_path):
+    from modelpatch.conversion import Concatenate, ConversionError, WeightConverter
+    from modelpatch.recipes.attention import FusedQKVLlamaAttention
+
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    qkv = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+    never = WeightConverter(["gate_a", "gate_b"], ["mlp.gate_ab"], [Concatenate(dim=0)])
+    with pytest.raises(ConversionError, match="gate_a.*matched no checkpoint key"):
+        with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}, strict=True,
+                           conversion_rules={"llama": [qkv, never]}):
+            LlamaForCausalLM.from_pretrained(tmp_path)
+
+
 def test_gpt2_conv1d_is_patchable():
     class QuantConv1D(Conv1D):
         pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Mapping
@@ -183,7 +184,7 @@ class PatchScope:
             from .conversion import conversion_rules
 
             try:
-                self._exit_stack.enter_context(conversion_rules(self.conversion_rules))
+                self._exit_stack.enter_context(conversion_rules(self.conversion_rules, strict=self.strict))
             except BaseException:
                 self._release()
                 raise
@@ -191,13 +192,36 @@ class PatchScope:
         return self
 
     def __call__(self, func):
-        @functools.wraps(func)
-        def run_patched(*args, **kwargs):
-            fresh = PatchScope(
+        """Decorate ``func`` (a plain or ``async`` function): each call runs inside a fresh copy of this block.
+
+        Raises:
+            TypeError: ``func`` is a generator or async generator function: the block would stay open in the
+                caller's context between two ``yield``s (open the block inside the body instead, around the work).
+        """
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"apply_patches cannot decorate the generator function {func.__qualname__}: the block would stay "
+                "open in the caller between yields; use `with apply_patches(...)` around the work inside it"
+            )
+
+        def fresh() -> PatchScope:
+            return PatchScope(
                 self.mapping, explicit=self.explicit, strict=self.strict, label=self.label,
                 conversion_rules=self.conversion_rules,
             )
-            with fresh:
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def run_patched_async(*args, **kwargs):
+                with fresh():  # entered in the task running the coroutine: other tasks do not see it
+                    return await func(*args, **kwargs)
+
+            return run_patched_async
+
+        @functools.wraps(func)
+        def run_patched(*args, **kwargs):
+            with fresh():
                 return func(*args, **kwargs)
 
         return run_patched
@@ -295,7 +319,8 @@ def apply_patches(
         strict: on a normal exit, raise :class:`UnmatchedPatchKeyError` if a key matched no class that
             was built in the block (otherwise a warning naming the key is logged); and a ``from_pretrained``
             inside the block raises :class:`~modelpatch.ConversionError` when parameters of replacement
-            modules were not in the checkpoint (otherwise a warning names the modules).
+            modules were not in the checkpoint or a rule of ``conversion_rules`` matched no checkpoint key
+            (otherwise a warning names the modules or the rule).
         conversion_rules: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``
             checkpoint conversion rules in force inside the block only (see
             :func:`modelpatch.conversion.conversion_rules`).

@@ -11,7 +11,7 @@ from transformers import core_model_loading as _tcml
 
 from transformers.utils import logging
 
-from .compose import ResolvedRules, compose_builtins
+from .compose import ResolvedRules, compose_builtins, rules_fitting_model
 from .engine import Plan, build_plan, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .reference import state_shapes
@@ -88,7 +88,11 @@ def prepare(model, items, resolved: ResolvedRules, key_renamings=(), keep_unconv
         if tuple(shape) != model_shapes[key]:
             raise ConversionShapeError(key, shape, model_shapes[key], repr(group.rule))
     recorded = {k: shape_of(o) for g in plan.groups.values() for items_ in g.sources.values() for k, o in items_}
-    fired = [rule for rule in resolved.rules if id(rule) in plan.fired]  # only these are reversed on save
+    # reversed on save: the rules that fired, and those whose layout the model has although the checkpoint was
+    # already in it (e.g. written by `modelpatch convert`): the model still saves the original layout
+    fitting = rules_fitting_model(model, resolved)
+    kept = plan.fired | {id(rule) for rule in (fitting.rules if fitting else ())}
+    fired = [rule for rule in resolved.rules if id(rule) in kept]
     state = ConversionState(fired, resolved.owner, recorded, plan.rows("load", resolved.owner, dry))
     return plan, dry, state
 

@@ -66,6 +66,7 @@ class Recipe:
 
         Raises:
             UnmatchedPatchKeyError: ``strict=True`` and a key replaced no module in the block.
+            ConversionError: ``strict=True`` and a conversion rule matched no key of a checkpoint loaded in the block.
         """
         from ..conversion import conversion_rules
         from ..scope import apply_patches
@@ -74,7 +75,7 @@ class Recipe:
             for overwrite in (False, True):
                 group = {n: s.rules() for n, s in self.conversion.items() if s.overwrite is overwrite}
                 if group:
-                    stack.enter_context(conversion_rules(group, overwrite=overwrite))
+                    stack.enter_context(conversion_rules(group, overwrite=overwrite, strict=strict))
             scope = stack.enter_context(apply_patches(dict(self.patch_mapping), strict=strict))
             yield scope
 
