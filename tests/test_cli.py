@@ -188,6 +188,24 @@ def test_convert_forward_then_reverse_is_bit_exact(tmp_path, capsys):
     assert "4 group(s)" in capsys.readouterr().out
 
 
+def test_convert_errors_are_one_line(tmp_path, capsys):
+    src = save_case("llama-fused-qkv", tmp_path / "ck")
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated file
+    capsys.readouterr()
+    cases = [
+        ([src, str(tmp_path / "ck" / "config.json" / "out"), "--recipe", "llama-fused-qkv"], "cannot convert"),
+        ([str(broken), str(tmp_path / "out2"), "--recipe", "llama-fused-qkv"], "SafetensorError"),
+        ([src, str(tmp_path / "out3"), "--recipe", "llama-fused-qkv", "--reverse"], "No conversion rule matched"),
+    ]
+    for argv, message in cases:
+        assert main(["convert", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_console_script(cache):
     """The installed ``modelpatch`` entry point, in a fresh process, on the real checkpoint."""

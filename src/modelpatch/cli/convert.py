@@ -44,6 +44,8 @@ def add_parser(subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+
     from ..conversion import ConversionError, convert_checkpoint
 
     if not os.path.exists(args.src):
@@ -55,6 +57,8 @@ def main(args: argparse.Namespace) -> int:
             rows = convert_checkpoint(args.src, args.dst, model_type, reverse=args.reverse)
     except ConversionError as exc:
         raise CliError(str(exc).splitlines()[0]) from None
+    except (OSError, ValueError, SafetensorError) as exc:  # unwritable DST, truncated file, broken index.json
+        raise CliError(f"cannot convert {args.src} -> {args.dst}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
     if args.json:
         print(json.dumps([{"rule": r.rule, "source_keys": list(r.source_keys), "target_keys": list(r.target_keys)}
                           for r in rows], indent=2))

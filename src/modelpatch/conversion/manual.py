@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from transformers import core_model_loading as _tcml
 
@@ -18,6 +20,11 @@ __all__ = ["load_converted_state_dict"]
 
 def _resolve(model, rules) -> tuple[ResolvedRules, list]:
     """The rules to apply and Transformers' own key renamings for ``model`` (applied before the rules)."""
+    if isinstance(rules, Mapping):
+        raise TypeError(
+            "load_converted_state_dict(rules=...) takes a list of rules; for {name: [rules]} open "
+            "conversion_rules({...}) around the call (or register them)"
+        )
     if rules is not None:
         resolved = ResolvedRules()
         for rule in rules:
@@ -92,8 +99,10 @@ def load_converted_state_dict(model, state_dict_or_path, *, rules=None, strict: 
 
     Raises:
         ConversionShapeError: a (converted) tensor does not fit its parameter.
-        ConversionError: missing/unexpected keys (``strict``), a rule that cannot be applied.
-        Everything is checked before the first parameter is written: on error the model is unchanged.
+        ConversionError: missing/unexpected keys (``strict``), a rule that cannot be applied, a meta tensor.
+        TypeError: ``rules`` is a dict (it takes a list).
+        Keys, shapes and readability are checked before the first parameter is written: on those errors the
+        model is unchanged.
     """
     resolved, renamings = _resolve(model, rules)
     base_prefix = model.base_model_prefix
