@@ -203,3 +203,36 @@ def test_narrow_pattern_has_no_conflict(caplog):
     assert caplog.text == ""
     assert type(model.encoder.layer[0].attention.self) is SelfAttn
     assert patch_report(model).conflicts == []
+
+
+def test_user_recorder_follows_a_non_subclass_replacement():
+    """A user recorder targeting the original class captures from its non-subclass replacement (found by a
+    fresh-user test: it returned an empty tuple while the built-in router_logits followed the replacement)."""
+    from transformers import Qwen2MoeModel
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+    from helpers import tiny_qwen2_moe_config
+    from modelpatch import OutputRecorder, register_output_recorder
+
+    class ReimplementedRouter(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            reference = Qwen2MoeTopKRouter(config)
+            self.top_k, self.num_experts = reference.top_k, reference.num_experts
+            self.norm_topk_prob, self.hidden_dim, self.weight = reference.norm_topk_prob, reference.hidden_dim, reference.weight
+
+        def forward(self, hidden_states):
+            return Qwen2MoeTopKRouter.forward(self, hidden_states)
+
+    config = tiny_qwen2_moe_config()
+    with apply_patches({"Qwen2MoeTopKRouter": ReimplementedRouter}):
+        patched = Qwen2MoeModel(config)
+    vanilla = Qwen2MoeModel(config)
+    vanilla.load_state_dict(patched.state_dict())
+    ids = torch.tensor([[1, 5, 9, 17]])
+    captured = {}
+    for label, model in (("patched", patched), ("vanilla", vanilla)):
+        register_output_recorder(model, "selected_experts", OutputRecorder(Qwen2MoeTopKRouter, index=2))
+        captured[label] = model(ids, output_selected_experts=True).selected_experts
+    assert len(captured["patched"]) == config.num_hidden_layers
+    assert all(torch.equal(p, v) for p, v in zip(captured["patched"], captured["vanilla"]))

@@ -159,8 +159,18 @@ class _CaptureHook:
             collected[self.name].append(value)
 
 
+def _is_or_replaces(module: nn.Module, target: type) -> bool:
+    """``module`` is a ``target``, or a replacement of one that does not wrap a ``target`` (whose own hook
+    already captures), like the built-in recorders follow replacements (:func:`patch_output_recorders`)."""
+    if isinstance(module, target):
+        return True
+    found = provenance(module)
+    return (found is not None and issubclass(found.original, target)
+            and not any(isinstance(m, target) for m in module.modules()))
+
+
 def _matches(rec: OutputRecorder, path: str, module: nn.Module) -> bool:
-    if not isinstance(module, rec.target_class):
+    if not _is_or_replaces(module, rec.target_class):
         return False
     return rec.layer_name is None or f".{rec.layer_name.strip('.')}." in f".{path}."
 
