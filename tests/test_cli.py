@@ -141,6 +141,13 @@ def test_one_line_errors(argv, message, tmp_path, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("atol", ["-1", "nan", "inf"])
+def test_atol_must_be_finite_and_non_negative(atol, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "--atol", atol])
+    assert exit_info.value.code == 2 and "must be a finite number >= 0" in capsys.readouterr().err
+
+
 def test_not_a_checkpoint_without_weights(tmp_path, capsys):
     shutil.copy(os.path.join(MINILM_DIR, "config.json"), tmp_path)
     assert main(["verify", "--model", str(tmp_path), "--recipe", "bert-fused-qkv"]) == 2

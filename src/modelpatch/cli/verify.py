@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -252,6 +253,14 @@ def _short(keys: list[str]) -> str:
     return f"{keys[0]} (+{len(keys) - 1})"
 
 
+def _tolerance(text: str) -> float:
+    """``--atol``: a finite number >= 0."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify", help="load a checkpoint vanilla and patched; compare weights, outputs and the save round trip",
@@ -261,7 +270,7 @@ def add_parser(subparsers) -> None:
     source.add_argument("--recipe", metavar="NAME", help="a recipe of modelpatch.recipes ('a+b' combines)")
     source.add_argument("--patches", metavar="MODULE_OR_FILE", help="module or .py file defining PATCH_MAPPING")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="load dtype (default float32)")
-    parser.add_argument("--atol", type=float, help="output tolerance (default 1e-5 for float32, else 2e-2)")
+    parser.add_argument("--atol", type=_tolerance, help="output tolerance (default 1e-5 for float32, else 2e-2)")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=main)
