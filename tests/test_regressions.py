@@ -262,3 +262,34 @@ def test_load_converted_state_dict_applies_transformers_builtin_rules(tmp_path):
     load_converted_state_dict(fresh, tmp_path)
     for name, tensor in vanilla.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+@pytest.mark.slow  # a fresh interpreter, so the modeling module is really imported inside the block
+def test_class_first_imported_inside_a_strict_block_is_reported():
+    """Found by a fresh-user test: a layer built directly from a module first imported inside the block was
+    silently not replaced, even in strict mode (the catalogue is refreshed when a model is built)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch.nn as nn
+        from modelpatch import UnmatchedPatchKeyError, apply_patches
+
+        class Block(nn.Module):
+            def __init__(self, *args, **kwargs):
+                super().__init__()
+
+        try:
+            with apply_patches({"MixtralSparseMoeBlock": Block}, strict=True):
+                from transformers import MixtralConfig
+                from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+                MixtralSparseMoeBlock(MixtralConfig(hidden_size=64, intermediate_size=128, num_local_experts=4))
+        except UnmatchedPatchKeyError as error:
+            print("raised:", "first imported inside" in str(error))
+        with apply_patches({"MixtralSparseMoeBlock": Block}, strict=True):  # imported now: replaced
+            block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=64, intermediate_size=128, num_local_experts=4))
+        print("second block:", type(block).__name__)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.stdout.split("\n")[:2] == ["raised: True", "second block: Block"], result.stderr[-2000:]

@@ -258,11 +258,33 @@ class PatchScope:
         for key in self.outranked_keys:
             logger.info(f"modelpatch: key {key!r} matched classes during {self.label} but other keys or an enclosing block replaced them")
         if not unmatched or not (self.fired or self.models_built or self.constructed):
+            self._report_late_imports(unmatched)
             return  # nothing was built: nothing to judge
         hints = "".join(_hint(key) for key in unmatched)
         message = (
             f"modelpatch: patch key(s) {list(unmatched)} matched no class built during {self.label}; "
             f"check the class name (case-sensitive) or the pattern{hints}"
+        )
+        if self.strict:
+            raise UnmatchedPatchKeyError(message)
+        logger.warning(message)
+
+
+    def _report_late_imports(self, unmatched) -> None:
+        """Keys naming classes whose module was first imported inside the block, with no model built after the
+        import: a module of that class built directly was not replaced (the catalogue is refreshed when a model is
+        built, not on every import)."""
+        if not unmatched:
+            return
+        refresh_catalog()
+        late = sorted({key for cls, (_, keys) in _resolve_catalog(self.mapping).items() if cls not in self.resolved
+                       for key in keys if key in unmatched})
+        if not late:
+            return
+        message = (
+            f"modelpatch: patch key(s) {late} name classes whose module was first imported inside {self.label}, "
+            "after the block was entered; modules of them built directly were not replaced. Import the module "
+            "before entering the block"
         )
         if self.strict:
             raise UnmatchedPatchKeyError(message)
