@@ -86,22 +86,21 @@ def _has_builtin_layout(sub, names) -> bool:
     return False
 
 
-def rules_fitting_model(model, resolved: ResolvedRules | None) -> ResolvedRules | None:
+def rules_fitting_model(model, resolved: ResolvedRules | None, names=None) -> ResolvedRules | None:
     """``resolved`` without the converters whose target layout ``model`` does not have (e.g. per-expert rules in
     effect while an unpatched model with fused experts is saved), without the registry entries whose converters all
     went, and without ``overwrite`` entries while the model still has the layout of the built-in rules they replace;
-    ``None`` when nothing is left. Saving such a model must reverse Transformers' own rules only."""
+    ``None`` when nothing is left. Saving such a model must reverse Transformers' own rules only. ``names``: the
+    model's state-dict keys, when the caller has them."""
     from transformers import core_model_loading as _tcml
-
-    from .rules import match_rule
 
     if resolved is None:
         return None
-    names = list(model.state_dict())
+    names = list(model.state_dict()) if names is None else list(names)
 
     def fits(rule) -> bool:
-        reverse = rule.reverse_transform()
-        return any(match_rule(reverse, name) is not None for name in names)
+        targets = _texts(rule)[len(rule._original_source_patterns):]
+        return any(_search(target, name) for target in targets for name in names)
 
     fitting = ResolvedRules()
     for ruleset, scope, sub in resolved.entries:

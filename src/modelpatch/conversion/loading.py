@@ -90,7 +90,7 @@ def prepare(model, items, resolved: ResolvedRules, key_renamings=(), keep_unconv
     recorded = {k: shape_of(o) for g in plan.groups.values() for items_ in g.sources.values() for k, o in items_}
     # reversed on save: the rules that fired, and those whose layout the model has although the checkpoint was
     # already in it (e.g. written by `modelpatch convert`): the model still saves the original layout
-    fitting = rules_fitting_model(model, resolved)
+    fitting = rules_fitting_model(model, resolved, model_shapes)
     kept = plan.fired | {id(rule) for rule in (fitting.rules if fitting else ())}
     fired = [rule for rule in resolved.rules if id(rule) in kept]
     state = ConversionState(fired, resolved.owner, recorded, plan.rows("load", resolved.owner, dry))
