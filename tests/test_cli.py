@@ -141,6 +141,19 @@ def test_one_line_errors(argv, message, tmp_path, capsys):
     assert "Traceback" not in err
 
 
+def test_patches_module_in_the_current_directory(tmp_path, monkeypatch, capsys):
+    """A console script has no current directory on sys.path; --patches my_module must still find ./my_module.py."""
+    (tmp_path / "my_patches_module.py").write_text(
+        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["explain", "--model-type", "llama", "--patches", "my_patches_module"]) == 0
+    assert "FusedQKVLlamaAttention" in capsys.readouterr().out
+    assert str(tmp_path) not in sys.path
+
+
 @pytest.mark.parametrize("atol", ["-1", "nan", "inf"])
 def test_atol_must_be_finite_and_non_negative(atol, capsys):
     assert main(["verify", "--atol", atol]) == 2

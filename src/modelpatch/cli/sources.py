@@ -41,13 +41,26 @@ def _load_module(source: str):
             raise CliError(f"patches file '{source}' raised {type(exc).__name__}: {exc}") from None
         return module
     try:
-        return importlib.import_module(source)
+        return _import_from_cwd(source)
     except ModuleNotFoundError as exc:
         if exc.name and source.startswith(exc.name):
             raise CliError(f"patches module '{source}' not found (give a module name or a .py file)") from None
         raise CliError(f"patches module '{source}' raised ModuleNotFoundError: {exc}") from None
     except Exception as exc:  # noqa: BLE001
         raise CliError(f"patches module '{source}' raised {type(exc).__name__}: {exc}") from None
+
+
+def _import_from_cwd(name: str):
+    """Import a module by name with the current directory on ``sys.path``, as ``python -m`` has it (a console
+    script does not, so ``--patches my_patches`` would not find ``./my_patches.py``)."""
+    cwd = os.getcwd()
+    if cwd in sys.path or "" in sys.path:
+        return importlib.import_module(name)
+    sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(cwd)
 
 
 def recipe_from_namespace(namespace: Mapping, label: str) -> Recipe:
