@@ -1,10 +1,22 @@
 """Routing failures found by a fresh-user test; each stays as a test."""
 
+import copy
+import functools
+
 import pytest
 import torch
+import torch.utils.checkpoint
 from routing_models import perturb_routers, tiny_model
+from transformers import GenerationConfig
 
-from modelpatch.routing import RoutingTraceError, record_routing, replay_routing
+import modelpatch.routing.session as routing_session
+from modelpatch.routing import (
+    RoutingReplayError,
+    RoutingTraceError,
+    find_router_sites,
+    record_routing,
+    replay_routing,
+)
 
 IDS = torch.tensor([[3, 5, 9, 17, 33, 4, 4, 4], [3, 8, 21, 40, 2, 7, 4, 4]])
 
@@ -33,3 +45,168 @@ def test_record_refuses_beam_search_and_restores_generate():
     with torch.no_grad(), record_routing(model) as trace:  # greedy still records prefill + decode steps
         model.generate(IDS[:1, :5], max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert trace[trace.layers[0]][0].shape[0] == 5 + 2
+
+
+# -- activation checkpointing: each recomputation replays the indices of its own forward ------------------------
+
+_A = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(10))
+_B = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(11))  # same shape as _A
+
+
+def _drifted(family):
+    """A tiny model whose routers moved on after recording two micro-batches of the same shape."""
+    model = tiny_model(family)
+    with torch.no_grad(), record_routing(model) as trace:
+        model(_A)
+        model(_B)
+    sites = find_router_sites(model)[0]
+    assert any(not torch.equal(trace[s.layer_idx][0], trace[s.layer_idx][2]) for s in sites)  # a, b route apart
+    perturb_routers(model)
+    with torch.no_grad(), record_routing(model) as natural:
+        model(_A)
+        model(_B)
+    assert natural != trace, "the drifted routers must route differently, or replay is not exercised"
+    return model.train(), trace
+
+
+def _grads(model, trace, schedule, enable=None):
+    """Gradients of the losses of micro-batches a and b under ``schedule``; ``enable(model)`` turns on
+    checkpointing (before the block, or inside it when the schedule says so)."""
+    if enable is not None and schedule != "enable_inside_block":
+        enable(model)
+    kw = dict(use_cache=False)
+    with replay_routing(model, trace):
+        if schedule == "enable_inside_block" and enable is not None:
+            enable(model)
+        la = model(_A, labels=_A, **kw).loss
+        lb = model(_B, labels=_B, **kw).loss
+        if schedule == "fwd_a_fwd_b_bwd_a_bwd_b_inside":
+            la.backward()
+            lb.backward()
+    if schedule in ("bwd_after_block", "enable_inside_block"):
+        (la + lb).backward()
+    elif schedule == "bwd_b_then_a_after_block":
+        lb.backward()
+        la.backward()
+    for site in find_router_sites(model)[0]:  # the model is left exactly as it was
+        assert "forward" not in site.module.__dict__
+    for m in model.modules():
+        fn = m.__dict__.get("_gradient_checkpointing_func", m.__dict__.get("checkpoint_fn"))
+        assert not getattr(fn, "_modelpatch_routing_bound", False)
+    return {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _max_diff(got, ref):
+    assert got.keys() == ref.keys()
+    return max(float((got[n] - ref[n]).abs().max()) for n in ref)
+
+
+_SCHEDULES = ["bwd_after_block", "fwd_a_fwd_b_bwd_a_bwd_b_inside", "bwd_b_then_a_after_block", "enable_inside_block"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("schedule", _SCHEDULES)
+def test_checkpointed_replay_gradients_equal_uncheckpointed(family, reentrant, schedule):
+    # was: backward after the block recomputed with the drifted router (CheckpointError / grads off by 0.046);
+    # fwd a, fwd b, bwd a, bwd b recomputed a with b's indices (the latest of the same shape; grads off by 0.097)
+    model, trace = _drifted(family)
+    ref = _grads(copy.deepcopy(model), trace, schedule)
+
+    def enable(m):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+
+    got = _grads(copy.deepcopy(model), trace, schedule, enable)
+    assert _max_diff(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_wrapper_layers_replay_in_any_order(reentrant):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model, trace = _drifted("qwen3_moe")
+    ref = _grads(copy.deepcopy(model), trace, "bwd_b_then_a_after_block")
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+
+    def enable(m):
+        apply_activation_checkpointing(
+            m, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+            check_fn=lambda mod: type(mod).__name__.endswith("DecoderLayer"),
+        )
+
+    got = _grads(copy.deepcopy(model), trace, "bwd_b_then_a_after_block", enable)
+    assert _max_diff(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_router_inside_unbound_checkpoint_raises_at_forward(reentrant):
+    model, trace = _drifted("qwen3_moe")
+    mlp = model.model.layers[1].mlp  # checkpointed by hand: replay cannot reach its recomputation
+    original = mlp.forward
+    mlp.forward = lambda x: torch.utils.checkpoint.checkpoint(original, x, use_reentrant=reentrant)
+    with pytest.raises(RoutingReplayError, match=r"layer 1: the router runs inside a torch.utils.checkpoint call "
+                       r"that replay_routing is not bound to"):
+        with replay_routing(model, trace):
+            model(_A, labels=_A)
+    assert "forward" not in find_router_sites(model)[0][1].module.__dict__
+
+
+# -- generate: modes whose forwards do not extend the recorded sequences one token at a time are refused --------
+
+_PROMPT = torch.tensor([[5, 9, 17, 5, 9, 17, 5, 9]])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(use_cache=False), r"use_cache=False: every decode step re-runs the whole prefix"),
+        (dict(prompt_lookup_num_tokens=3), r"assisted / speculative decoding \(prompt_lookup_num_tokens=3\)"),
+        (dict(assistant_model="copy"), r"assisted / speculative decoding \(assistant_model\)"),
+        (dict(guidance_scale=1.5), r"classifier-free guidance \(guidance_scale=1.5\)"),
+        (dict(generation_config="no_cache"), r"use_cache=False"),
+    ],
+)
+def test_record_refuses_generate_modes_that_do_not_extend_one_token_at_a_time(options, message):
+    # was: use_cache=False recorded 6 sequences of 8..13 tokens, prompt lookup 1 sequence of 16 (13 expected)
+    model = tiny_model("qwen3_moe").eval()
+    if options.get("assistant_model") == "copy":
+        options = dict(assistant_model=copy.deepcopy(model))
+    if options.get("generation_config") == "no_cache":
+        options = dict(generation_config=GenerationConfig(use_cache=False, max_new_tokens=6, pad_token_id=0))
+    else:
+        options = dict(options, max_new_tokens=6, pad_token_id=0)
+    with pytest.raises(RoutingTraceError, match="record_routing cannot record generate with " + message):
+        with torch.no_grad(), record_routing(model):
+            model.generate(_PROMPT, do_sample=False, **options)
+    assert "generate" not in model.__dict__
+
+
+def test_generate_steps_are_checked_to_continue_the_cache(monkeypatch):
+    # the backstop behind the option checks: a step that re-runs the prefix or restarts inside the cache raises
+    model = tiny_model("qwen3_moe").eval()
+    monkeypatch.setattr(routing_session, "_refused_generation", lambda *a: None)
+    with pytest.raises(RoutingTraceError, match="ran the whole sequence again instead of continuing the KV cache"):
+        with torch.no_grad(), record_routing(model):
+            model.generate(_PROMPT, max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False)
+    with pytest.raises(RoutingTraceError, match=r"continues the KV cache from position \d+, the previous forward "
+                       r"ended at \d+: the cache was cropped"):
+        with torch.no_grad(), record_routing(model):
+            model.generate(_PROMPT, max_new_tokens=6, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("family", ["minimax", "qwen3_moe"])
+def test_generate_trace_equals_routes_of_the_generated_sequence(family):
+    # was (minimax): layer 0's cache holds no keys (linear attention), decode steps were read as new sequences
+    model = tiny_model(family).eval()
+    with torch.no_grad(), record_routing(model) as trace:
+        out = model.generate(_PROMPT[:, :6], max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad(), record_routing(model) as full:
+        model(out)
+    assert trace.sequence_lengths == [out.shape[1] - 1]
+    for layer in trace.layers:
+        assert torch.equal(trace[layer][0], full[layer][0][:-1])

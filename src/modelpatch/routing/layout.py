@@ -35,6 +35,8 @@ class ForwardLayout:
     num_tokens: int
     slots: list[Slot] = field(default_factory=list)
     continuation: bool = False
+    past: int = 0  # positions already in the KV cache
+    seq_len: int = 0  # positions of this forward per row (padding included)
 
 
 def _signature_binder(module: torch.nn.Module):
@@ -51,9 +53,16 @@ def _past_length(past) -> int:
     get = getattr(past, "get_seq_length", None)
     if get is not None:
         try:
-            return int(get())
+            n = int(get())
         except Exception:  # noqa: BLE001 - caches of exotic layers: assume no past
-            return 0
+            n = 0
+        if n == 0:  # layer 0 may hold no key/value states (MiniMax: linear attention there): ask every layer
+            for layer in getattr(past, "layers", None) or ():
+                try:
+                    n = max(n, int(layer.get_seq_length()))
+                except Exception:  # noqa: BLE001 - layers without a sequence length (linear attention, SSM)
+                    continue
+        return n
     if isinstance(past, (tuple, list)) and past and isinstance(past[0], (tuple, list)) and past[0]:
         return int(past[0][0].shape[-2])
     return 0
@@ -92,7 +101,7 @@ def layout_from_call(module: torch.nn.Module, args: tuple, kwargs: dict, sig=Non
     cache_position = bound.get("cache_position")
     if past == 0 and isinstance(cache_position, torch.Tensor) and cache_position.numel():
         past = int(cache_position.reshape(-1)[0])
-    layout = ForwardLayout(num_tokens=bsz * seq_len, continuation=past > 0)
+    layout = ForwardLayout(num_tokens=bsz * seq_len, continuation=past > 0, past=past, seq_len=seq_len)
 
     mask = bound.get("attention_mask")
     valid = None

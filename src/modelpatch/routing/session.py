@@ -2,13 +2,17 @@
 
 Nothing is installed on classes or module globals. On entry each router module of the model gets an
 instance-level ``forward`` that delegates to its original one (through its router kind, see
-:mod:`modelpatch.routing.kinds`), and the module owning the decoder layers gets a forward pre-hook and hook
-that read the batch layout. On exit (also on exception) the instance attributes and hooks are removed, so the
-model is exactly as before and runs with zero overhead.
+:mod:`modelpatch.routing.kinds`), the module owning the decoder layers gets a forward pre-hook and hook
+that read the batch layout, and the checkpoint functions of the routers' ancestors (Transformers'
+``_gradient_checkpointing_func``, ``CheckpointWrapper.checkpoint_fn``) are wrapped per instance so that every
+checkpointed call carries its own routes to its recomputation (:mod:`modelpatch.routing.recompute`). On exit
+(also on exception) the instance attributes and hooks are removed, so the model is exactly as before and runs
+with zero overhead; a checkpoint recomputed after the exit still replays its routes.
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -16,16 +20,29 @@ import torch
 from torch import nn
 
 from .layout import ForwardLayout, _signature_binder, layout_from_call
+from .recompute import MARK as _MARK
+from .recompute import (
+    RoutingReplayError,
+    _noop,
+    active_frames,
+    bind_checkpoint_fn,
+    is_bound,
+    unbound_checkpoint_on_stack,
+)
 from .sites import RouterSite, find_router_sites, stack_owner
 from .trace import RoutingTrace, RoutingTraceError, _Block, compact_dtype
 
 __all__ = ["record_routing", "replay_routing", "RoutingReplayError"]
 
-_MARK = "_modelpatch_routing_session"
+# Instance attributes holding a checkpoint function: Transformers' (GradientCheckpointingLayer, or the module
+# owning the layers in older remote code) and torch's CheckpointWrapper.
+_CHECKPOINT_ATTRS = ("_gradient_checkpointing_func", "checkpoint_fn")
 
 
-class RoutingReplayError(RuntimeError):
-    """A replay block consumed more or fewer routes than its trace holds, or a forward does not fit it."""
+_CHECKPOINT_HINT = (
+    "checkpoint the decoder layers with model.gradient_checkpointing_enable() / "
+    "activation_checkpointing_enable() or torch's checkpoint_wrapper (CheckpointWrapper), which replay binds"
+)
 
 
 def _in_backward() -> bool:
@@ -37,15 +54,23 @@ class _Session:
     def __init__(self, model: nn.Module, trace: RoutingTrace | None):
         self.sites, stack_name, self.num_hidden_layers = find_router_sites(model)
         self.owner = stack_owner(model, stack_name)
-        stack = model.get_submodule(stack_name)
-        self.layer_modules = {s.layer_idx: stack[s.layer_idx] for s in self.sites}
         self.replay = trace is not None
         self.layout: ForwardLayout | None = None
-        self.recompute: dict[int, list[torch.Tensor]] = {s.layer_idx: [] for s in self.sites}
         self._sig = _signature_binder(self.owner)
         self._installed: list[tuple[nn.Module, bool, object]] = []
         self._handles = []
         self._last_seqs: list[int] = []
+        # modules that may carry a checkpoint function around a router: every ancestor of every router
+        hosts: dict[int, nn.Module] = {}
+        for s in self.sites:
+            parts = s.name.split(".")
+            for i in range(len(parts)):
+                m = model.get_submodule(".".join(parts[:i]))
+                hosts.setdefault(id(m), m)
+        self._hosts = list(hosts.values())
+        self._bound: list[tuple[nn.Module, str, object, object]] = []
+        self.generating = False  # record: inside model.generate (set by its guard)
+        self._gen_end: int | None = None  # record, inside generate: grid length after the last forward
         if self.replay:
             self.trace = trace
             self._prepare_replay(trace)
@@ -140,6 +165,26 @@ class _Session:
         return dense
 
     # -- record bookkeeping -----------------------------------------------------------------------------------
+    def _check_generate_step(self, layout: ForwardLayout) -> None:
+        """Inside ``generate``: every forward after the first must continue the KV cache exactly where the
+        previous one ended (the backstop behind :func:`_refused_generation`)."""
+        end = self._gen_end
+        if end is not None:
+            if not layout.continuation:
+                raise RoutingTraceError(
+                    "record_routing: a generate step ran the whole sequence again instead of continuing the KV "
+                    "cache (use_cache=False, or a decoding mode without cache); each step would be recorded as "
+                    "new sequences. Generate with use_cache=True, greedy or sampling"
+                )
+            if layout.past != end:
+                raise RoutingTraceError(
+                    f"record_routing: a generate step continues the KV cache from position {layout.past}, the "
+                    f"previous forward ended at {end}: the cache was cropped or reordered (assisted / speculative "
+                    "decoding, beam search?), so routes of discarded tokens were recorded. Generate greedy or "
+                    "sampling, without an assistant"
+                )
+        self._gen_end = layout.past + layout.seq_len
+
     def _assign_record(self, layout: ForwardLayout) -> None:
         if layout.continuation and self._last_seqs and len(self._last_seqs) == len(layout.slots):
             seqs = self._last_seqs
@@ -174,7 +219,10 @@ class _Session:
     def _pre_forward(self, module, args, kwargs):
         if _in_backward():
             return None
+        self._bind_checkpoints()  # checkpointing may have been enabled inside the block
         layout = layout_from_call(module, args, kwargs, self._sig)
+        if self.generating:
+            self._check_generate_step(layout)
         (self._assign_replay if self.replay else self._assign_record)(layout)
         self.layout = layout
         return None
@@ -184,36 +232,59 @@ class _Session:
             self.layout = None
         return None
 
-    def _checkpointed(self, layer_idx: int) -> bool:
-        """Whether decoder layer ``layer_idx`` runs under activation checkpointing (Transformers'
-        ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable``, or a ``CheckpointWrapper``)."""
-        layer = self.layer_modules[layer_idx]
-        if not layer.training:
-            return False
-        return bool(getattr(layer, "gradient_checkpointing", False)) or "checkpoint" in type(layer).__name__.lower()
-
     def _router_call(self, site: RouterSite, forward, args, kwargs):
-        hidden = args[0] if args else next(iter(kwargs.values()))
-        num_tokens = hidden.numel() // hidden.shape[-1]
-        recompute = _in_backward()
-        if not self.replay:
-            sink = (lambda idx: None) if recompute else (lambda idx: self._record(site, idx))
-            return site.kind.call(site, forward, args, kwargs, None, sink)
-        stack = self.recompute[site.layer_idx]
-        if recompute:
-            match = next((i for i in range(len(stack) - 1, -1, -1) if stack[i].shape[0] == num_tokens), None)
-            if match is None:
+        source, originals = active_frames()
+        if source is not None:  # a bound checkpoint recomputes: exactly the routes of its original forward
+            forced = source.take(site)
+            for frame in originals:
+                frame.add(site, forced)
+            return site.kind.call(site, forward, args, kwargs, forced, _noop)
+        if _in_backward():  # recomputed by a checkpoint no frame is bound to
+            if self.replay:
                 raise RoutingReplayError(
-                    f"layer {site.layer_idx}: recomputed forward (activation checkpointing) found no replayed "
-                    f"routes of {num_tokens} tokens to reuse; enable checkpointing with "
-                    "model.gradient_checkpointing_enable() (or a CheckpointWrapper) so replay can keep them"
+                    f"layer {site.layer_idx}: the router is recomputed during backward by an activation checkpoint "
+                    "replay_routing is not bound to, so the recomputation cannot be given the indices of its "
+                    "original forward; " + _CHECKPOINT_HINT
                 )
-            forced = stack.pop(match).to(torch.int64)
-        else:
-            forced = self._forced(site, num_tokens)
-            if self._checkpointed(site.layer_idx):  # its backward will recompute this forward: keep the indices
-                stack.append(forced.to(compact_dtype(site.num_experts)) if not bool((forced < 0).any()) else forced)
-        return site.kind.call(site, forward, args, kwargs, forced, lambda idx: None)
+            for frame in originals:
+                frame.add(site, None)
+            return site.kind.call(site, forward, args, kwargs, None, _noop)  # record: not recorded twice
+        if not self.replay:
+            for frame in originals:
+                frame.add(site, None)  # record: a recomputation routes naturally, as this forward does
+            return site.kind.call(site, forward, args, kwargs, None, lambda idx: self._record(site, idx))
+        if unbound_checkpoint_on_stack():
+            raise RoutingReplayError(
+                f"layer {site.layer_idx}: the router runs inside a torch.utils.checkpoint call that replay_routing "
+                "is not bound to; its recomputation in backward would not use the replayed indices; "
+                + _CHECKPOINT_HINT
+            )
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        forced = self._forced(site, hidden.numel() // hidden.shape[-1])
+        for frame in originals:  # bound checkpoints keep the indices for their recomputation
+            frame.add(site, forced)
+        return site.kind.call(site, forward, args, kwargs, forced, _noop)
+
+    def _bind_checkpoints(self) -> None:
+        """Wrap the checkpoint functions of the routers' ancestors so each checkpointed call keeps its routes
+        (see :mod:`modelpatch.routing.recompute`)."""
+        for host in self._hosts:
+            d = host.__dict__
+            for attr in _CHECKPOINT_ATTRS:
+                fn = d.get(attr)
+                if fn is None or not callable(fn) or is_bound(fn):
+                    continue
+                if attr == "checkpoint_fn" and "_checkpoint_wrapped_module" not in host._modules:
+                    continue
+                bound = bind_checkpoint_fn(fn)
+                self._bound.append((host, attr, fn, bound))
+                d[attr] = bound
+
+    def _unbind_checkpoints(self) -> None:
+        for host, attr, fn, bound in reversed(self._bound):
+            if host.__dict__.get(attr) is bound:  # left as the user set it if changed inside the block
+                host.__dict__[attr] = fn
+        self._bound.clear()
 
     # -- install / remove -------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -235,6 +306,7 @@ class _Session:
                 self._installed.append((router, had, prev))
                 router.__dict__["forward"] = forward
                 router.__dict__[_MARK] = self
+            self._bind_checkpoints()
             self._handles.append(self.owner.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(
                 self.owner.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
@@ -254,9 +326,8 @@ class _Session:
             else:
                 router.__dict__.pop("forward", None)
         self._installed.clear()
+        self._unbind_checkpoints()
         self.layout = None
-        for stack in self.recompute.values():
-            stack.clear()
 
     def check_replay_complete(self) -> None:
         leftover = [
@@ -282,6 +353,13 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     the previous ones, in token order. Padding (2-D ``attention_mask`` zeros, left or right) is skipped.
     Under activation checkpointing the recomputed forward is not recorded twice.
 
+    ``model.generate`` is recorded for greedy decoding and sampling with the KV cache: calls whose forwards
+    would not extend the generated sequences one step at a time raise :class:`RoutingTraceError` before any
+    forward — beam search (``num_beams > 1``), ``use_cache=False``, assisted / speculative decoding
+    (``assistant_model``, ``prompt_lookup_num_tokens``, ``assistant_early_exit``, ``use_mtp``),
+    classifier-free guidance (``guidance_scale``), contrastive search, DoLa, ``custom_generate`` — and every
+    decode step is checked to continue the KV cache where the previous forward ended.
+
     Args:
         model: the model (``*ForCausalLM``, base model, or a DDP/FSDP2 wrapper of one).
 
@@ -291,6 +369,7 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
 
     Raises:
         RoutingDiscoveryError: the model has no top-k router.
+        RoutingTraceError: ``model.generate`` called in a decoding mode that cannot be recorded (see above).
         RuntimeError: the model is already inside a record/replay block.
 
     Example::
@@ -300,7 +379,7 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     """
     session = _Session(model, None)
     session.install()
-    restore_generate = _refuse_beam_search(model)
+    restore_generate = _guard_generate(model, session)
     try:
         yield session.trace
     finally:
@@ -309,9 +388,79 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     session.trace._check_lengths()
 
 
-def _refuse_beam_search(model: nn.Module):
-    """While recording, ``model.generate`` with ``num_beams > 1`` raises: beam search reorders the KV cache
-    between decode steps, so rows appended by batch position would match none of the returned sequences.
+# Options of ``generate`` whose forwards do not extend the recorded sequences one step at a time.
+_ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+def _generation_config(model: nn.Module, args: tuple, kwargs: dict):
+    """The generation config ``generate(*args, **kwargs)`` will run with (``None`` if it cannot be read)."""
+    config = kwargs.get("generation_config")
+    if config is None and len(args) > 1:
+        config = args[1]
+    rest = {k: v for k, v in kwargs.items() if k not in ("generation_config", "assistant_model", "custom_generate")}
+    prepare = getattr(model, "_prepare_generation_config", None)
+    try:
+        return prepare(config, **rest)[0]
+    except Exception:  # noqa: BLE001 - private helper of Transformers: fall back to the plain merge
+        pass
+    try:
+        config = copy.deepcopy(config if config is not None else model.generation_config)
+        config.update(**rest)
+        return config
+    except Exception:  # noqa: BLE001 - generate itself will report a bad config
+        return None
+
+
+def _refused_generation(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """Why ``record_routing`` cannot record this ``generate`` call, or ``None``."""
+    config = _generation_config(model, args, kwargs)
+    if kwargs.get("custom_generate") is not None:
+        return (
+            f"custom_generate={kwargs['custom_generate']!r}: a custom decoding loop may run forwards that do not "
+            "extend the generated sequences one step at a time"
+        )
+    if config is None:
+        return None
+    beams = getattr(config, "num_beams", 1) or 1
+    if beams > 1:
+        return (
+            f"beam search (num_beams={beams}): beams reorder the KV cache between decode steps; generate with "
+            "num_beams=1 (greedy or sampling), as RL rollouts do"
+        )
+    assisted = []
+    for name in _ASSISTED_OPTIONS:
+        value = kwargs.get(name) if name == "assistant_model" else getattr(config, name, None)
+        if value is not None and value is not False:
+            assisted.append(name if name == "assistant_model" else f"{name}={value!r}")
+    if assisted:
+        return (
+            f"assisted / speculative decoding ({', '.join(assisted)}): the model verifies draft tokens in one "
+            "forward, the rejected ones are routed too and then cropped from the KV cache; generate without it"
+        )
+    if getattr(config, "use_cache", True) is False:
+        return (
+            "use_cache=False: every decode step re-runs the whole prefix, so each step would be recorded as new "
+            "sequences; generate with use_cache=True"
+        )
+    guidance = getattr(config, "guidance_scale", None)
+    if guidance is not None and guidance != 1:
+        return (
+            f"classifier-free guidance (guidance_scale={guidance}): it runs extra unconditional forwards of the "
+            "model that would be recorded as routes of the generated sequences"
+        )
+    try:
+        mode = str(getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", ""))
+    except Exception:  # noqa: BLE001
+        mode = ""
+    if mode and mode not in ("greedy_search", "sample"):
+        return f"generation mode {mode!r}: only greedy decoding and sampling extend the sequences one step at a time"
+    return None
+
+
+def _guard_generate(model: nn.Module, session: "_Session"):
+    """While recording, ``model.generate`` refuses the decoding modes whose forwards do not extend the recorded
+    sequences one token at a time (beam search, assisted / prompt-lookup decoding, ``use_cache=False``, ...), and
+    checks at every forward of an accepted call that it continues the KV cache where the previous forward ended.
     Returns the function that restores ``model`` exactly."""
     original = getattr(model, "generate", None)
     if original is None:
@@ -319,14 +468,16 @@ def _refuse_beam_search(model: nn.Module):
     had, prev = "generate" in model.__dict__, model.__dict__.get("generate")
 
     def generate(*args, **kwargs):
-        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-        if beams > 1:
-            raise RoutingTraceError(
-                f"record_routing does not follow beam search (num_beams={beams}): beams reorder the KV cache between "
-                "decode steps; generate with num_beams=1 (greedy or sampling), as RL rollouts do"
-            )
-        return original(*args, **kwargs)
+        why = _refused_generation(model, args, kwargs)
+        if why is not None:
+            raise RoutingTraceError(f"record_routing cannot record generate with {why}")
+        if session.generating:  # generate calling generate: let the outer call's checks stand
+            return original(*args, **kwargs)
+        session.generating, session._gen_end = True, None
+        try:
+            return original(*args, **kwargs)
+        finally:
+            session.generating, session._gen_end = False, None
 
     model.__dict__["generate"] = generate
 
@@ -353,8 +504,12 @@ def replay_routing(model: nn.Module, trace: RoutingTrace) -> Iterator[RoutingTra
     continuing a KV cache continues them. Padded positions (2-D ``attention_mask`` zeros, left or right) and
     ``-1`` rows are routed naturally by the live router. A sequence may hold one row fewer than the tokens fed
     (the engine convention: the last sampled token is never routed); that last token is then routed naturally.
-    Under activation checkpointing (``use_reentrant`` True or False) the recomputed forward reuses exactly the
-    indices of the original forward.
+    Under activation checkpointing (``use_reentrant`` True or False; Transformers'
+    ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable``, or torch's ``checkpoint_wrapper``)
+    each recomputed forward reuses exactly the indices its own original forward used, whether ``backward``
+    runs inside the block or after it, and in any order over several forwards (forward a, forward b,
+    backward a, backward b). A router running inside any other ``torch.utils.checkpoint`` call cannot be bound
+    to its recomputation: that forward raises :class:`RoutingReplayError`.
 
     Args:
         model: the model (``*ForCausalLM``, base model, or a DDP/FSDP2 wrapper of one).
@@ -366,8 +521,9 @@ def replay_routing(model: nn.Module, trace: RoutingTrace) -> Iterator[RoutingTra
     Raises:
         RoutingTraceError: on entry, if the trace's layers, top-k, or id range (``>= num_experts``) do not fit
             the model (the message names the layer, expected and received values).
-        RoutingReplayError: during a forward, if it needs routes the trace does not hold (missing) or its token
-            count at a router differs; on exit, if routes were left unconsumed (leftover).
+        RoutingReplayError: during a forward, if it needs routes the trace does not hold (missing), its token
+            count at a router differs, or a router runs inside an activation checkpoint replay cannot bind; on
+            exit, if routes were left unconsumed (leftover).
     """
     session = _Session(model, trace)
     session.install()
