@@ -17,6 +17,7 @@ open:
 from __future__ import annotations
 
 import functools
+from contextvars import ContextVar
 
 from transformers.modeling_utils import PreTrainedModel
 
@@ -28,6 +29,7 @@ from .scope import PatchScope, active_scopes, refresh_catalog
 __all__ = ["install"]
 
 _MARK = "_modelpatch_wrapped"
+_LOADING: ContextVar[bool] = ContextVar("modelpatch_loading", default=False)  # inside from_pretrained
 
 
 class _RegistryBuild:
@@ -58,8 +60,12 @@ def _wrap_build(name: str) -> None:
 
     @functools.wraps(original)
     def build(cls, *args, **kwargs):
-        with _RegistryBuild(f"{cls.__name__}.{label}"):
-            return original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
+        token = _LOADING.set(name == "from_pretrained")
+        try:
+            with _RegistryBuild(f"{cls.__name__}.{label}"):
+                return original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
+        finally:
+            _LOADING.reset(token)
 
     setattr(build, _MARK, True)
     setattr(PreTrainedModel, name, classmethod(build))
@@ -98,7 +104,8 @@ def _wrap_post_init() -> None:
         result = original(self, *args, **kwargs)
         if build_record(self) is not None:  # built inside a block (from_config, from_pretrained or a constructor)
             patch_output_recorders(self)
-            bind_conversion_rules(self)  # saves its original layout after the block too (a load rebinds)
+            if not _LOADING.get():  # a load binds the rules itself, with the shapes it read
+                bind_conversion_rules(self)  # saves its original layout after the block too
         return result
 
     setattr(post_init, _MARK, True)
