@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -111,11 +112,23 @@ def test_offline_convert_refuses_rules_matching_nothing(sharded_llama, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def test_already_converted_checkpoint_saves_the_original_layout(sharded_llama, tmp_path):
-    """A checkpoint written by convert_checkpoint loads with the rules (none fires) and still saves back."""
+def test_already_converted_checkpoint_saves_the_original_layout(sharded_llama, tmp_path, caplog):
+    """A checkpoint written by convert_checkpoint loads with the rules (none fires, and that is no warning, nor an
+    error when strict: the checkpoint is already in the rule's target layout) and still saves back."""
     folder, ck = sharded_llama
     convert_checkpoint(folder, tmp_path / "fused", rules=[QKV_RULE])
-    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "fused")
+    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}, strict=True):
+        with caplog.at_level(logging.WARNING):
+            model = AutoModelForCausalLM.from_pretrained(tmp_path / "fused")
+    assert "matched no checkpoint key" not in caplog.text
     model.save_pretrained(tmp_path / "saved")
     assert_same_tensors(checkpoint(tmp_path / "saved"), ck)
+
+
+def test_offline_convert_refuses_a_non_empty_destination(sharded_llama, tmp_path):
+    folder, _ = sharded_llama
+    convert_checkpoint(folder, tmp_path / "out", rules=[QKV_RULE])
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    with pytest.raises(ConversionError, match="exists and is not empty"):
+        convert_checkpoint(folder, tmp_path / "out", rules=[QKV_RULE])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before

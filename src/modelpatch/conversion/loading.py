@@ -11,7 +11,7 @@ from transformers import core_model_loading as _tcml
 
 from transformers.utils import logging
 
-from .compose import ResolvedRules, compose_builtins, rules_fitting_model
+from .compose import ResolvedRules, _search, _texts, compose_builtins, rules_fitting_model
 from .engine import Plan, build_plan, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .reference import state_shapes
@@ -34,9 +34,16 @@ def model_key(name: str, model_keys, base_model_prefix: str) -> str | None:
     return None
 
 
-def _check_unmatched(plan: Plan, resolved: ResolvedRules) -> None:
+def _check_unmatched(plan: Plan, resolved: ResolvedRules, keys) -> None:
+    """Warn (strict: raise) for rules that matched no checkpoint key, unless the checkpoint already has the
+    layout they convert to (e.g. written by ``modelpatch convert``): such a rule has nothing to do on load and is
+    still reversed on save."""
     for rule in resolved.rules:
         if id(rule) in plan.fired:
+            continue
+        targets = _texts(rule)[len(rule._original_source_patterns):]
+        if any(_search(target, key) for target in targets for key in keys):
+            logger.info(f"Conversion rule {rule!r}: the checkpoint is already in its target layout")
             continue
         name = resolved.owner.get(id(rule))
         scope = f" under '{rule.scope_prefix}'" if rule.scope_prefix else ""
@@ -73,8 +80,9 @@ def prepare(model, items, resolved: ResolvedRules, key_renamings=(), keep_unconv
     """
     model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     prefix = model.base_model_prefix
+    items = list(items)
     plan = build_plan(items, resolved.rules, key_renamings=key_renamings, keep_unconverted_keys=keep_unconverted_keys)
-    _check_unmatched(plan, resolved)
+    _check_unmatched(plan, resolved, [key for key, _ in items])
     references = state_shapes(model_shapes.items(), prefix)
     dry = plan.dry_run(references)
     _leave_absent_modules_unconverted(plan, dry, model_shapes, prefix)

@@ -55,7 +55,10 @@ def _rules_for(name, rules, reverse):
             raise ConversionError("convert_checkpoint needs model_type_or_class_name or rules")
         rules = get_checkpoint_conversion_mapping(name)
         if not rules:
-            raise ConversionError(f"No conversion rules registered or built in for '{name}'")
+            raise ConversionError(
+                f"No conversion rules in effect for '{name}' (registered or built in): nothing to convert. A recipe "
+                "without rules for it expects checkpoints already in the model's layout"
+            )
     try:
         rules = [as_modelpatch_rule(rule) for rule in rules]
     except TypeError as exc:
@@ -91,7 +94,7 @@ def convert_checkpoint(
     Args:
         src: checkpoint folder (``model.safetensors`` or sharded with ``model.safetensors.index.json``) or a
             ``.safetensors`` file. Other files of the folder (config, tokenizer) are copied to ``dst``.
-        dst: output folder (created; must not be ``src``). One output shard per input shard that still holds a
+        dst: output folder (created; must not be ``src`` nor a non-empty folder). One output shard per input shard that still holds a
             tensor (a converted group goes to the shard of its last source), plus an index with ``total_size``
             when sharded; dtypes are preserved.
         model_type_or_class_name: registry name whose effective rules (user rules and the built-ins they do not
@@ -111,6 +114,9 @@ def convert_checkpoint(
     src, dst = os.fspath(src), os.fspath(dst)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ConversionError("convert_checkpoint: dst must differ from src")
+    if os.path.isdir(dst) and os.listdir(dst):
+        raise ConversionError(f"convert_checkpoint: destination '{dst}' exists and is not empty (stale shards of an "
+                              "earlier run would mix with the new ones); remove it or choose another")
     rules = _rules_for(model_type_or_class_name, rules, reverse)
     files = checkpoint_files(src)
     src_dir = src if os.path.isdir(src) else os.path.dirname(src)
