@@ -11,7 +11,8 @@ from transformers import PreTrainedModel
 from . import registry
 from .rules import pattern_regex
 
-__all__ = ["ResolvedRules", "resolve_model_rules", "compose_builtins", "drop_replaced_builtins", "rules_fitting_model"]
+__all__ = ["ResolvedRules", "resolve_model_rules", "compose_builtins", "drop_replaced_builtins", "rules_fitting_model",
+           "has_target_layout"]
 
 
 @dataclass
@@ -71,6 +72,13 @@ def resolve_model_rules(model) -> ResolvedRules | None:
     return resolved if resolved.entries else None
 
 
+def has_target_layout(rule, names) -> bool:
+    """Whether any of ``names`` (state-dict or checkpoint keys) is named like a target pattern of ``rule``: the keys
+    are already in the layout the rule converts to."""
+    targets = _texts(rule)[len(rule._original_source_patterns):]
+    return any(_search(target, name) for target in targets for name in names)
+
+
 def _has_builtin_layout(sub, names) -> bool:
     """Whether the model has parameters named like the targets of a built-in Transformers converter of ``sub``."""
     from transformers import core_model_loading as _tcml
@@ -78,12 +86,7 @@ def _has_builtin_layout(sub, names) -> bool:
     rules = registry.builtin_rules(type(sub).__name__)
     if rules is None:
         rules = registry.builtin_rules(getattr(sub.config, "model_type", None)) or []
-    for rule in rules:
-        if isinstance(rule, _tcml.WeightConverter):
-            targets = _texts(rule)[len(rule._original_source_patterns):]
-            if any(_search(target, name) for target in targets for name in names):
-                return True
-    return False
+    return any(isinstance(rule, _tcml.WeightConverter) and has_target_layout(rule, names) for rule in rules)
 
 
 def rules_fitting_model(model, resolved: ResolvedRules | None, names=None) -> ResolvedRules | None:
@@ -98,15 +101,11 @@ def rules_fitting_model(model, resolved: ResolvedRules | None, names=None) -> Re
         return None
     names = list(model.state_dict()) if names is None else list(names)
 
-    def fits(rule) -> bool:
-        targets = _texts(rule)[len(rule._original_source_patterns):]
-        return any(_search(target, name) for target in targets for name in names)
-
     fitting = ResolvedRules()
     for ruleset, scope, sub in resolved.entries:
         mine = [r for r in resolved.rules if resolved.owner[id(r)] == ruleset.name and r.scope_prefix == scope]
         converters = {id(r) for r in mine if isinstance(r, _tcml.WeightConverter)}
-        kept = [r for r in mine if id(r) not in converters or fits(r)]
+        kept = [r for r in mine if id(r) not in converters or has_target_layout(r, names)]
         if converters and not any(id(r) in converters for r in kept):
             continue
         if ruleset.overwrite and _has_builtin_layout(sub, names):

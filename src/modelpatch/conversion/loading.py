@@ -8,10 +8,9 @@ import dataclasses
 from collections import defaultdict
 
 from transformers import core_model_loading as _tcml
-
 from transformers.utils import logging
 
-from .compose import ResolvedRules, _search, _texts, compose_builtins, rules_fitting_model
+from .compose import ResolvedRules, compose_builtins, has_target_layout, rules_fitting_model
 from .engine import Plan, build_plan, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .reference import state_shapes
@@ -41,8 +40,7 @@ def _check_unmatched(plan: Plan, resolved: ResolvedRules, keys) -> None:
     for rule in resolved.rules:
         if id(rule) in plan.fired:
             continue
-        targets = _texts(rule)[len(rule._original_source_patterns):]
-        if any(_search(target, key) for target in targets for key in keys):
+        if has_target_layout(rule, keys):
             logger.info(f"Conversion rule {rule!r}: the checkpoint is already in its target layout")
             continue
         name = resolved.owner.get(id(rule))

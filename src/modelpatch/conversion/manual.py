@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from transformers import core_model_loading as _tcml
 
-from .compose import ResolvedRules, _search, _texts, compose_builtins, overlaps, resolve_model_rules
+from .compose import ResolvedRules, compose_builtins, has_target_layout, overlaps, resolve_model_rules
 from .engine import ConversionRow, LazyConverted, load_tensor, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .io import open_checkpoint
@@ -57,8 +57,7 @@ def _builtin_transforms(model, user: ResolvedRules) -> tuple[list, list]:
     for builtin in builtins:
         if isinstance(builtin, _tcml.WeightRenaming) or any(overlaps(builtin, rule) for rule in user.rules):
             continue
-        targets = _texts(builtin)[len(builtin._original_source_patterns) :]
-        if not any(_search(target, name) for target in targets for name in names):
+        if not has_target_layout(builtin, names):
             continue  # the model does not have the fused layout this built-in produces (e.g. per-expert experts)
         try:
             rule = as_modelpatch_rule(builtin)
