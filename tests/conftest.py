@@ -12,4 +12,4 @@ def _clean_registry():
     yield
     clear_patch_mapping()
     set_strict_patching(False)
-    assert modelpatch.scope.active_scopes() == ()
+    assert modelpatch.patching.scopes.active_scopes() == ()

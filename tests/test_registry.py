@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpatch import clear_patch_mapping, get_patch_mapping, register_patch_mapping, unregister_patch_mapping
-from modelpatch.registry import build_patch_mapping
+from modelpatch.patching.registry import build_patch_mapping
 
 
 class A(nn.Module):

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, LlamaModel
 from transformers.models.llama import modeling_llama
 
 from modelpatch import apply_patches, get_patch_mapping, register_patch_mapping
-from modelpatch.interception import hooked_classes
-from modelpatch.scope import active_scopes
+from modelpatch.patching.interception import hooked_classes
+from modelpatch.patching.scopes import active_scopes
 
 from helpers import INPUT_IDS, save_tiny, tiny_llama_config
 

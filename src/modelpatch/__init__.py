@@ -7,7 +7,9 @@ replacement classes, and record/replay MoE routing (:mod:`modelpatch.routing`). 
 ``from_pretrained``/``from_config`` build; nothing else in the process is changed.
 """
 
-from .conflicts import Conflict
+from .blocks import apply_patches
+from .errors import ModelpatchError
+from .patching.conflicts import Conflict
 from .conversion import (
     Chunk,
     Concatenate,
@@ -29,9 +31,10 @@ from .conversion import (
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
-from .integration import install as _install
-from .recorders import OutputRecorder, patch_output_recorders, register_output_recorder, unregister_output_recorder
-from .registry import (
+from .integrations.transformers import install as _install
+from .outputs import OutputRecorder, patch_output_recorders, register_output_recorder, unregister_output_recorder
+from .patching.records import Replacement, replacement_of
+from .patching.registry import (
     clear_patch_mapping,
     get_patch_mapping,
     is_strict_patching,
@@ -39,8 +42,8 @@ from .registry import (
     set_strict_patching,
     unregister_patch_mapping,
 )
-from .report import PatchReport, PatchRow, patch_report
-from .scope import PatchScope, UnmatchedPatchKeyError, apply_patches
+from .patching.report import PatchReport, PatchRow, patch_report
+from .patching.scopes import PatchScope, UnmatchedPatchKeyError
 
 _install()
 
@@ -54,6 +57,9 @@ __all__ = [
     "set_strict_patching",
     "is_strict_patching",
     "apply_patches",
+    "replacement_of",
+    "Replacement",
+    "ModelpatchError",
     "PatchScope",
     "UnmatchedPatchKeyError",
     "patch_output_recorders",

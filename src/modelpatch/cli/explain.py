@@ -67,10 +67,10 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
     Raises:
         CliError: missing folder / unknown model type.
     """
-    from ..conflicts import find_conflicts
+    from ..patching.conflicts import find_conflicts
     from ..conversion import get_checkpoint_conversion_mapping
     from ..conversion.rules import match_rule
-    from ..records import provenance
+    from ..patching.records import provenance
 
     config = _config(model_dir, model_type)
     with recipe.apply() as scope:

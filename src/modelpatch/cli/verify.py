@@ -114,7 +114,7 @@ def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: 
         CliError: the folder is not a checkpoint, or the patched load itself fails (message of the error).
     """
     from ..conversion import conversion_report
-    from ..report import patch_report
+    from ..patching.report import patch_report
 
     model_dir = checkpoint_dir(model_dir)
     torch_dtype = DTYPES[dtype]

@@ -9,7 +9,7 @@ load); built-in rules are read from it and composed at load/save time (see :mod:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from copy import deepcopy
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from transformers import conversion_mapping as _tcm
 
+from ..patching.registry import on_clear
 from .rules import as_modelpatch_rule
 
 __all__ = [
@@ -112,6 +113,9 @@ def clear_checkpoint_conversion_mappings() -> None:
         _global.clear()
 
 
+on_clear(clear_checkpoint_conversion_mappings)  # clear_patch_mapping() clears user conversion rules too
+
+
 def lookup(name: str | None) -> RuleSet | None:
     """The user :class:`RuleSet` in effect for ``name``: the rules of every enclosing scoped block (innermost first)
     and of the global registry, combined; an inner rule replaces the outer rules that produce the same parameters,
@@ -162,7 +166,7 @@ def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list | N
 
 @contextmanager
 def conversion_rules(
-    mapping: Mapping[str, Sequence], *, overwrite: bool = False, strict: bool = False
+    mapping: Mapping[str, Sequence], *, overwrite: bool | Collection[str] = False, strict: bool = False
 ) -> Iterator[None]:
     """Scoped form of :func:`register_checkpoint_conversion_mapping`: ``{name: [rules...]}`` apply to loads and saves
     inside the block (current thread/async context only) and are gone after it, also on error. Rules of nested
@@ -170,10 +174,19 @@ def conversion_rules(
     the outer rules producing the same parameters. A model loaded inside the block keeps its rules, so saving
     it after the block still writes the original layout.
 
+    Args:
+        mapping: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}`` (Transformers' rule classes
+            are accepted too).
+        overwrite: ``True`` drops Transformers' built-in rules of every name in ``mapping``; a collection of names
+            drops them for those names only (what a recipe mixing both needs).
+        strict: a rule that matches no checkpoint key raises at load time instead of logging a warning.
+
     Raises:
-        TypeError: bad name or rule (nothing is entered).
+        TypeError: ``mapping`` is not a dict of name -> list of rules, a name is not a str, or a rule is not a rule
+            instance (nothing is entered).
+        ValueError: ``overwrite`` names a name that is not in ``mapping``.
     """
-    scope = {name: _make_ruleset(name, rules, overwrite, strict) for name, rules in mapping.items()}
+    scope = scoped_rulesets(mapping, overwrite=overwrite, strict=strict)
     from . import hooks
 
     hooks.install()
@@ -182,3 +195,24 @@ def conversion_rules(
         yield
     finally:
         _scoped.reset(token)
+
+
+def scoped_rulesets(
+    mapping: Mapping[str, Sequence], *, overwrite: bool | Collection[str] = False, strict: bool = False
+) -> dict[str, RuleSet]:
+    """Validate the arguments of :func:`conversion_rules` into ``{name: RuleSet}`` (raises as it documents)."""
+    if not isinstance(mapping, Mapping):
+        raise TypeError(
+            "conversion_rules must be a dict {model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}, "
+            f"got {type(mapping).__name__}: e.g. conversion_rules={{'llama': [rule]}} instead of conversion_rules=[rule]"
+        )
+    if isinstance(overwrite, bool):
+        overwritten = set(mapping) if overwrite else set()
+    elif isinstance(overwrite, (str, bytes)) or not isinstance(overwrite, Collection):
+        raise TypeError(f"overwrite must be a bool or a collection of names, got {overwrite!r}")
+    else:
+        overwritten = set(overwrite)
+        unknown = sorted(overwritten - set(mapping))
+        if unknown:
+            raise ValueError(f"overwrite names {unknown}, which have no rules in conversion_rules ({sorted(mapping)})")
+    return {name: _make_ruleset(name, rules, name in overwritten, strict) for name, rules in mapping.items()}

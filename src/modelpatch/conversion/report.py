@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..patching.report import add_conversion_reader
 from .engine import ConversionRow
 from .state import get_state
 
@@ -16,3 +17,6 @@ def conversion_report(model) -> list[ConversionRow]:
     if state is None:
         return []
     return list(state.load_rows) + list(state.save_rows)
+
+
+add_conversion_reader(conversion_report)  # patch_report(model).conversion lists these rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers.utils import logging
 
-from ..records import provenance
+from ..patching.records import provenance
 from .errors import ConversionError
 
 logger = logging.get_logger("modelpatch")
@@ -57,8 +57,8 @@ def check_replacements_loaded(model, loading_info) -> None:
         "in the checkpoint (or did not fit) and are randomly initialised; the checkpoint layout needs conversion "
         "rules for them:\n  " + "\n  ".join(lines)
     )
-    from ..registry import is_strict_patching
-    from ..scope import active_scopes
+    from ..patching.registry import is_strict_patching
+    from ..patching.scopes import active_scopes
 
     if is_strict_patching() or any(scope.strict for scope in active_scopes()):
         raise ConversionError(message)

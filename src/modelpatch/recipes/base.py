@@ -9,7 +9,7 @@ error) or for the process (``recipe.register()`` / ``recipe.unregister()``). Two
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 __all__ = ["Recipe", "RuleSpec"]
@@ -68,15 +68,12 @@ class Recipe:
             UnmatchedPatchKeyError: ``strict=True`` and a key replaced no module in the block.
             ConversionError: ``strict=True`` and a conversion rule matched no key of a checkpoint loaded in the block.
         """
-        from ..conversion import conversion_rules
-        from ..scope import apply_patches
+        from ..blocks import apply_patches
 
-        with ExitStack() as stack:
-            for overwrite in (False, True):
-                group = {n: s.rules() for n, s in self.conversion.items() if s.overwrite is overwrite}
-                if group:
-                    stack.enter_context(conversion_rules(group, overwrite=overwrite, strict=strict))
-            scope = stack.enter_context(apply_patches(dict(self.patch_mapping), strict=strict))
+        overwritten = [name for name, spec in self.conversion.items() if spec.overwrite]
+        with apply_patches(
+            dict(self.patch_mapping), strict=strict, conversion_rules=self.conversion_rules(), overwrite=overwritten
+        ) as scope:
             yield scope
 
     def register(self) -> None:
@@ -87,7 +84,7 @@ class Recipe:
                 registered then).
         """
         from ..conversion import register_checkpoint_conversion_mapping, unregister_checkpoint_conversion_mapping
-        from ..registry import register_patch_mapping, unregister_patch_mapping
+        from ..patching.registry import register_patch_mapping, unregister_patch_mapping
 
         register_patch_mapping(dict(self.patch_mapping))
         done = []
@@ -104,7 +101,7 @@ class Recipe:
     def unregister(self) -> None:
         """Undo :meth:`register` (the built-in conversion rules of each name apply again)."""
         from ..conversion import unregister_checkpoint_conversion_mapping
-        from ..registry import unregister_patch_mapping
+        from ..patching.registry import unregister_patch_mapping
 
         unregister_patch_mapping(list(self.patch_mapping))
         for name in self.conversion:

@@ -32,6 +32,7 @@ __all__ = [
     "registered_patch_mapping",
     "set_strict_patching",
     "is_strict_patching",
+    "on_clear",
 ]
 
 
@@ -225,12 +226,25 @@ def clear_patch_mapping() -> None:
 
     Conversion rules are cleared too because they exist for the replacement classes: a ``qwen2_moe``
     rule left behind (as ``transformers.monkey_patching`` leaves it) makes every later vanilla load
-    leave its experts randomly initialised. Transformers' built-in rules are never touched.
+    leave its experts randomly initialised. Transformers' built-in rules are never touched. (The
+    conversion layer registers its clean-up with :func:`on_clear`; this module does not import it.)
     """
-    from .conversion.registry import clear_checkpoint_conversion_mappings
-
     _REGISTRY.clear()
-    clear_checkpoint_conversion_mappings()
+    for callback in list(_CLEAR_CALLBACKS):
+        callback()
+
+
+_CLEAR_CALLBACKS: list = []
+
+
+def on_clear(callback) -> None:
+    """Call ``callback()`` (no arguments) after every :func:`clear_patch_mapping` (idempotent per callback).
+
+    How layers above the patch registry (the conversion rule registry) clear their own user state with it
+    without this module importing them.
+    """
+    if callback not in _CLEAR_CALLBACKS:
+        _CLEAR_CALLBACKS.append(callback)
 
 
 def get_patch_mapping() -> dict[str, type]:

@@ -17,18 +17,21 @@ open:
 from __future__ import annotations
 
 import functools
+import threading
 from contextvars import ContextVar
 
 from transformers.modeling_utils import PreTrainedModel
 
-from .recorders import install_registry_extension, patch_output_recorders
-from .records import BuildRecord, build_record, set_build_record
-from .registry import is_strict_patching, registered_patch_mapping
-from .scope import PatchScope, active_scopes, refresh_catalog
+from ..conversion import hooks as conversion_hooks
+from ..conversion.saving import bind_conversion_rules
+from ..outputs import install_registry_extension, patch_output_recorders
+from ..patching.records import BuildRecord, build_record, set_build_record
+from ..patching.registry import is_strict_patching, registered_patch_mapping
+from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
+from ..undo import UndoStack
 
-__all__ = ["install"]
+__all__ = ["install", "uninstall", "installed"]
 
-_MARK = "_modelpatch_wrapped"
 _LOADING: ContextVar[bool] = ContextVar("modelpatch_loading", default=False)  # inside from_pretrained
 
 
@@ -51,11 +54,7 @@ class _RegistryBuild:
             self.scope.__exit__(exc_type, exc, tb)
 
 
-def _wrap_build(name: str) -> None:
-    original = getattr(PreTrainedModel, name).__func__
-    if getattr(original, _MARK, False):
-        return
-
+def _build_wrapper(name: str, original):
     label = name.lstrip("_")
 
     @functools.wraps(original)
@@ -67,15 +66,10 @@ def _wrap_build(name: str) -> None:
         finally:
             _LOADING.reset(token)
 
-    setattr(build, _MARK, True)
-    setattr(PreTrainedModel, name, classmethod(build))
+    return classmethod(build)
 
 
-def _wrap_init() -> None:
-    original = PreTrainedModel.__init__
-    if getattr(original, _MARK, False):
-        return
-
+def _init_wrapper(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         scopes = active_scopes()
@@ -88,19 +82,12 @@ def _wrap_init() -> None:
             for scope in scopes:
                 scope._built_model(self)
 
-    setattr(__init__, _MARK, True)
-    PreTrainedModel.__init__ = __init__
+    return __init__
 
 
-def _wrap_post_init() -> None:
-    original = PreTrainedModel.post_init
-    if getattr(original, _MARK, False):
-        return
-
+def _post_init_wrapper(original):
     @functools.wraps(original)
     def post_init(self, *args, **kwargs):
-        from .conversion.saving import bind_conversion_rules
-
         result = original(self, *args, **kwargs)
         if build_record(self) is not None:  # built inside a block (from_config, from_pretrained or a constructor)
             patch_output_recorders(self)
@@ -108,17 +95,37 @@ def _wrap_post_init() -> None:
                 bind_conversion_rules(self)  # saves its original layout after the block too
         return result
 
-    setattr(post_init, _MARK, True)
-    PreTrainedModel.post_init = post_init
+    return post_init
+
+
+_installed = UndoStack()
+_install_lock = threading.Lock()
 
 
 def install() -> None:
-    """Install the wrappers (idempotent)."""
-    from .conversion import hooks as conversion_hooks
+    """Install the wrappers on ``PreTrainedModel``, the output-recorder registry extension and the conversion
+    hooks (idempotent; :mod:`modelpatch` calls it on import)."""
+    with _install_lock:
+        conversion_hooks.install()
+        if len(_installed):
+            return
+        install_registry_extension(_installed)
+        for name in ("from_pretrained", "_from_config"):
+            original = vars(PreTrainedModel)[name].__func__
+            _installed.setattr(PreTrainedModel, name, _build_wrapper(name, original), raw=True)
+        _installed.setattr(PreTrainedModel, "__init__", _init_wrapper(vars(PreTrainedModel)["__init__"]), raw=True)
+        _installed.setattr(PreTrainedModel, "post_init", _post_init_wrapper(vars(PreTrainedModel)["post_init"]), raw=True)
 
-    install_registry_extension()
-    conversion_hooks.install()
-    _wrap_build("from_pretrained")
-    _wrap_build("_from_config")
-    _wrap_init()
-    _wrap_post_init()
+
+def uninstall() -> None:
+    """Remove everything :func:`install` put in place, exactly (``PreTrainedModel``'s class dictionary and the
+    recorder registry's class are as before import), and the conversion hooks. Models built while installed keep
+    what they recorded; a later :func:`install` puts everything back."""
+    with _install_lock:
+        _installed.undo()
+        conversion_hooks.uninstall()
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return len(_installed) > 0

@@ -29,15 +29,16 @@ import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 
+from ..undo import UndoStack
+
 __all__ = ["install_hook", "uninstall_hook", "hooked_classes"]
 
 # Original classes whose replacement is being built in this context: a replacement may build the
 # original it wraps, which must then be the original.
 _BUILDING: ContextVar[frozenset] = ContextVar("modelpatch_building", default=frozenset())
 
-_MISSING = object()
 _lock = threading.Lock()
-# target -> [refcount, target.__dict__["__init__"] before hooking (or _MISSING), target.__init__ before hooking]
+# target -> [refcount, UndoStack holding the hook's installation, target.__init__ before hooking]
 _hooks: dict[type, list] = {}
 
 Lookup = Callable[[type], "tuple[type, Callable[[object], None]] | None"]
@@ -92,11 +93,10 @@ def install_hook(target: type, lookup: Lookup) -> None:
         if entry is not None:
             entry[0] += 1
             return
-        own = vars(target).get("__init__", _MISSING)
         original_init = target.__init__
-        hook = _make_hook(target, lookup, original_init)
-        type.__setattr__(target, "__init__", hook)
-        _hooks[target] = [1, own, original_init]
+        undo = UndoStack()
+        undo.setattr(target, "__init__", _make_hook(target, lookup, original_init), raw=True)
+        _hooks[target] = [1, undo, original_init]
 
 
 def uninstall_hook(target: type) -> None:
@@ -109,11 +109,7 @@ def uninstall_hook(target: type) -> None:
         if entry[0] > 0:
             return
         del _hooks[target]
-        own = entry[1]
-        if own is _MISSING:
-            type.__delattr__(target, "__init__")
-        else:
-            type.__setattr__(target, "__init__", own)
+        entry[1].undo()  # the class __dict__ as before: its own __init__ back, or none if it had none
 
 
 def hooked_classes() -> dict[type, int]:

@@ -9,7 +9,7 @@ import torch.nn as nn
 from .conflicts import Conflict
 from .records import build_record, provenance
 
-__all__ = ["PatchRow", "PatchReport", "patch_report"]
+__all__ = ["PatchRow", "PatchReport", "patch_report", "add_conversion_reader"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def patch_report(model: nn.Module) -> PatchReport:
     Returns:
         A :class:`PatchReport` with one :class:`PatchRow` per replaced module (path as in
         ``model.named_modules()``), the keys of the mappings in force while the model was built that
-        matched no class built, container/inner conflicts (see :mod:`modelpatch.conflicts`), and the
+        matched no class built, container/inner conflicts (see :mod:`modelpatch.patching.conflicts`), and the
         weight conversion rows (rule -> checkpoint keys) when rules converted its checkpoint. The
         records live on the modules, so the report survives ``copy.deepcopy`` and ``pickle``.
     """
@@ -86,10 +86,19 @@ def patch_report(model: nn.Module) -> PatchReport:
             unmatched = set().union(*(scope.unmatched_keys for scope in record.scopes)) if record.scopes else set()
             report.unmatched_keys = [k for k in record.keys if k in unmatched]
             report.conflicts = [c for scope in record.scopes for c in scope.conflicts()]
-    try:
-        from .conversion import conversion_report  # the conversion layer, when present
-    except ImportError:
-        conversion_report = None
-    if conversion_report is not None:
-        report.conversion = list(conversion_report(model))
+    for reader in _CONVERSION_READERS:
+        report.conversion.extend(reader(model))
     return report
+
+
+_CONVERSION_READERS: list = []
+
+
+def add_conversion_reader(reader) -> None:
+    """Have :func:`patch_report` fill ``PatchReport.conversion`` with ``reader(model)`` (a list of rows).
+
+    The conversion layer registers :func:`modelpatch.conversion.conversion_report` here when it is imported;
+    this module does not import it (dependencies point from conversion to patching, never back).
+    """
+    if reader not in _CONVERSION_READERS:
+        _CONVERSION_READERS.append(reader)

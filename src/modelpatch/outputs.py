@@ -30,7 +30,8 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import output_capturing as _capturing
 from transformers.utils.output_capturing import OutputRecorder
 
-from .records import provenance
+from .patching.records import provenance
+from .undo import UndoStack
 
 __all__ = ["patch_output_recorders", "register_output_recorder", "unregister_output_recorder", "OutputRecorder"]
 
@@ -86,11 +87,19 @@ class _InstanceAwareRegistry(_capturing._CanRecordRegistry):
         return merged
 
 
-def install_registry_extension() -> None:
-    """Swap the class of Transformers' registry object for :class:`_InstanceAwareRegistry` (idempotent)."""
+def install_registry_extension(undo: UndoStack) -> None:
+    """Swap the class of Transformers' registry object for :class:`_InstanceAwareRegistry` (idempotent); the swap
+    is pushed on ``undo``."""
     registry = _capturing._CAN_RECORD_REGISTRY
     if type(registry) is _capturing._CanRecordRegistry:
-        registry.__class__ = _InstanceAwareRegistry
+        undo.setattr(registry, "__class__", _InstanceAwareRegistry, raw=True)
+
+
+def _require_extension() -> None:
+    if type(_capturing._CAN_RECORD_REGISTRY) is not _InstanceAwareRegistry:
+        raise RuntimeError(
+            "modelpatch's Transformers integration is uninstalled; call modelpatch.integrations.transformers.install()"
+        )
 
 
 def _target_and_recorder(name: str, spec):
@@ -124,7 +133,7 @@ def patch_output_recorders(model: nn.Module) -> None:
     recorder for the replacement class is added for that instance only. Class attributes and other
     models of the same class are untouched. Called automatically after every patched build.
     """
-    install_registry_extension()
+    _require_extension()
     pairs = _replaced_pairs(model)
     for submodel in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
         base = dict.get(_capturing._CAN_RECORD_REGISTRY, str(submodel.__class__)) or {}
@@ -253,7 +262,7 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
                 f"{name!r} is an output {getattr(owner, '__name__', type(owner).__name__)} already records; "
                 "choose another name"
             )
-    install_registry_extension()
+    _require_extension()
     with _lock:
         if isinstance(model_or_class, type):
             existing = _USER_CLASS.get(model_or_class, {})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Replacement", "BuildRecord", "provenance", "set_provenance", "build_record", "set_build_record"]
+__all__ = ["replacement_of", "Replacement", "BuildRecord", "provenance", "set_provenance", "build_record", "set_build_record"]
 
 _PROVENANCE_ATTR = "_modelpatch_replaced"
 _BUILD_ATTR = "_modelpatch_build"
@@ -46,6 +46,15 @@ class BuildRecord:
 def provenance(module: object) -> Replacement | None:
     """How ``module`` was built, if modelpatch built it as a replacement; else ``None``."""
     return getattr(module, "__dict__", {}).get(_PROVENANCE_ATTR)
+
+
+def replacement_of(module: object) -> Replacement | None:
+    """Which replacement ``module`` is: a :class:`Replacement` (``original`` class, ``replacement`` class, the
+    patch ``key`` that chose it) when modelpatch built it in place of an original class, else ``None``.
+
+    The answer is stored on the module itself, so it survives ``copy.deepcopy`` and ``pickle``.
+    """
+    return provenance(module)
 
 
 def set_provenance(module: object, record: Replacement) -> None:

@@ -1,4 +1,4 @@
-"""Patch scopes: where a patch mapping is in force, and ``apply_patches``.
+"""Patch scopes: where a patch mapping is in force (the machinery behind ``apply_patches``).
 
 A :class:`PatchScope` is one activation of a patch mapping. Entering it adds it to the *current
 context's* tuple of scopes (a :class:`contextvars.ContextVar`: one per thread, one per asyncio task);
@@ -16,22 +16,23 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable
 from contextvars import ContextVar
 
 from transformers.utils import logging
 
+from ..errors import ModelpatchError
 from .catalog import CATALOG
 from .interception import install_hook, uninstall_hook
 from .records import Replacement, build_record, set_provenance
-from .registry import PatchMapping, PatchRule, build_patch_mapping, registered_patch_mapping
+from .registry import PatchMapping, PatchRule
 
 logger = logging.get_logger("modelpatch")
 
-__all__ = ["PatchScope", "apply_patches", "active_scopes", "UnmatchedPatchKeyError"]
+__all__ = ["PatchScope", "active_scopes", "UnmatchedPatchKeyError", "refresh_catalog"]
 
 
-class UnmatchedPatchKeyError(ValueError):
+class UnmatchedPatchKeyError(ModelpatchError, ValueError):
     """A strict build finished with patch keys that matched no class that was built."""
 
 
@@ -78,7 +79,7 @@ class PatchScope:
     """One activation of a patch mapping; a context manager (see :func:`apply_patches`).
 
     Attributes:
-        mapping: the validated :class:`~modelpatch.registry.PatchMapping` in force.
+        mapping: the validated :class:`~modelpatch.patching.registry.PatchMapping` in force.
         explicit: ``True`` for ``apply_patches`` blocks, ``False`` for the registry scope that
             ``from_pretrained``/``from_config`` open.
         strict: raise :class:`UnmatchedPatchKeyError` on exit when a key replaced nothing.
@@ -96,10 +97,10 @@ class PatchScope:
         explicit: bool,
         strict: bool = False,
         label: str = "apply_patches",
-        conversion_rules: Mapping | None = None,
+        companions: tuple[Callable[[], contextlib.AbstractContextManager], ...] = (),
     ):
         self.mapping = mapping
-        self.conversion_rules = conversion_rules
+        self.companions = tuple(companions)
         self._exit_stack = contextlib.ExitStack()
         self.explicit = explicit
         self.strict = strict
@@ -162,7 +163,7 @@ class PatchScope:
         return tuple(k for k in self.mapping.keys if k in self.matched and k not in self.fired)
 
     def conflicts(self):
-        """Container/inner conflicts among the classes this scope replaced (see :mod:`modelpatch.conflicts`)."""
+        """Container/inner conflicts among the classes this scope replaced (see :mod:`modelpatch.patching.conflicts`)."""
         from .conflicts import find_conflicts
 
         return find_conflicts(self.resolved, list(self.replaced_originals), built=self.constructed)
@@ -180,16 +181,30 @@ class PatchScope:
             except BaseException:
                 self._release()
                 raise
-        if self.conversion_rules:
-            from .conversion import conversion_rules
-
-            try:
-                self._exit_stack.enter_context(conversion_rules(self.conversion_rules, strict=self.strict))
-            except BaseException:
-                self._release()
-                raise
+        try:
+            for companion in self.companions:
+                self._exit_stack.enter_context(companion())
+        except BaseException:
+            self._exit_stack.close()
+            self._release()
+            raise
         _ACTIVE.set(_ACTIVE.get() + (self,))
         return self
+
+    def start(self) -> "PatchScope":
+        """Enter the scope without a ``with`` block (like ``unittest.mock.patch(...).start()``); pair with
+        :meth:`stop`. The scope is in force in the calling thread / asyncio task until then."""
+        return self.__enter__()
+
+    def stop(self) -> None:
+        """Exit a scope opened with :meth:`start` (runs the same checks as a normal ``with`` exit).
+
+        Raises:
+            RuntimeError: the scope was never started, or is already stopped.
+        """
+        if not self._entered or self.closed:
+            raise RuntimeError("PatchScope.stop(): the scope is not started (or already stopped)")
+        self.__exit__(None, None, None)
 
     def __call__(self, func):
         """Decorate ``func`` (a plain or ``async`` function): each call runs inside a fresh copy of this block.
@@ -207,7 +222,7 @@ class PatchScope:
         def fresh() -> PatchScope:
             return PatchScope(
                 self.mapping, explicit=self.explicit, strict=self.strict, label=self.label,
-                conversion_rules=self.conversion_rules,
+                companions=self.companions,
             )
 
         if inspect.iscoroutinefunction(func):
@@ -328,34 +343,3 @@ def _resolve_catalog(mapping: PatchMapping) -> dict[type, tuple[PatchRule, tuple
         _RESOLUTION_CACHE.clear()
     _RESOLUTION_CACHE[key] = (CATALOG.version, resolved)
     return resolved
-
-
-def apply_patches(
-    mapping: Mapping[str, type] | None = None, *, strict: bool = False, conversion_rules: Mapping | None = None
-) -> PatchScope:
-    """Context manager: build models with class replacements inside the block, originals outside.
-
-    Args:
-        mapping: ``{key: replacement}`` to apply inside the block only, without touching the registry.
-            ``None`` applies the registry (:func:`~modelpatch.register_patch_mapping`) as it is now.
-        strict: on a normal exit, raise :class:`UnmatchedPatchKeyError` if a key matched no class that
-            was built in the block (otherwise a warning naming the key is logged); and a ``from_pretrained``
-            inside the block raises :class:`~modelpatch.ConversionError` when parameters of replacement
-            modules were not in the checkpoint or a rule of ``conversion_rules`` matched no checkpoint key
-            (otherwise a warning names the modules or the rule).
-        conversion_rules: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``
-            checkpoint conversion rules in force inside the block only (see
-            :func:`modelpatch.conversion.conversion_rules`).
-
-    Returns:
-        A :class:`PatchScope`; ``with apply_patches() as scope`` gives access to ``scope.fired`` and
-        ``scope.unmatched_keys``.
-
-    Raises:
-        TypeError, ValueError: ``mapping`` is invalid (see :func:`~modelpatch.register_patch_mapping`).
-
-    Only the calling thread or asyncio task sees the replacements; on exit (normal, exception, or out
-    of order) nothing remains to undo. Modules built inside the block keep their replacements.
-    """
-    resolved = registered_patch_mapping() if mapping is None else build_patch_mapping(mapping)
-    return PatchScope(resolved, explicit=True, strict=strict, conversion_rules=conversion_rules)

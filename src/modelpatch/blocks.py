@@ -1,0 +1,67 @@
+"""``apply_patches``: one block that puts class replacements and conversion rules in force together.
+
+The patch scope (:mod:`modelpatch.patching.scopes`) knows nothing of checkpoint conversion; this module,
+above both :mod:`modelpatch.patching` and :mod:`modelpatch.conversion`, joins them: the conversion rules
+of a block are a *companion* of its patch scope, entered and exited with it. ``Recipe.apply`` goes through
+:func:`apply_patches` too, so a block and a recipe behave the same (``overwrite`` included).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Mapping, Sequence
+
+from .conversion.registry import conversion_rules as _conversion_rules
+from .conversion.registry import scoped_rulesets
+from .patching.registry import build_patch_mapping, registered_patch_mapping
+from .patching.scopes import PatchScope
+
+__all__ = ["apply_patches"]
+
+
+def apply_patches(
+    mapping: Mapping[str, type] | None = None,
+    *,
+    strict: bool = False,
+    conversion_rules: Mapping[str, Sequence] | None = None,
+    overwrite: bool | Collection[str] = False,
+) -> PatchScope:
+    """Context manager (and decorator): build models with class replacements inside the block, originals outside.
+
+    Args:
+        mapping: ``{key: replacement}`` to apply inside the block only, without touching the registry.
+            ``None`` applies the registry (:func:`~modelpatch.register_patch_mapping`) as it is now.
+        strict: on a normal exit, raise :class:`~modelpatch.UnmatchedPatchKeyError` if a key matched no class that
+            was built in the block (otherwise a warning naming the key is logged); and a ``from_pretrained``
+            inside the block raises :class:`~modelpatch.ConversionError` when parameters of replacement
+            modules were not in the checkpoint or a rule of ``conversion_rules`` matched no checkpoint key
+            (otherwise a warning names the modules or the rule).
+        conversion_rules: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``
+            checkpoint conversion rules in force inside the block only (see
+            :func:`modelpatch.conversion.conversion_rules`); Transformers' own rule classes are accepted.
+        overwrite: ``True`` drops Transformers' built-in conversion rules of every name in ``conversion_rules``
+            inside the block; a collection of names drops them for those names only.
+
+    Returns:
+        A :class:`~modelpatch.PatchScope`; ``with apply_patches() as scope`` gives access to ``scope.fired`` and
+        ``scope.unmatched_keys``; ``scope.start()`` / ``scope.stop()`` open and close it without ``with``.
+
+    Raises:
+        TypeError, ValueError: ``mapping`` is invalid (see :func:`~modelpatch.register_patch_mapping`), or
+            ``conversion_rules`` is not a dict of name -> list of rule instances (a list, or a rule *class* such as
+            ``Concatenate`` instead of ``Concatenate(dim=0)``); nothing is entered then.
+
+    Only the calling thread or asyncio task sees the replacements; on exit (normal, exception, or out
+    of order) nothing remains to undo. Modules built inside the block keep their replacements.
+    """
+    resolved = registered_patch_mapping() if mapping is None else build_patch_mapping(mapping)
+    companions = ()
+    if conversion_rules is not None:
+        scoped_rulesets(conversion_rules, overwrite=overwrite, strict=strict)  # validate now, not at entry
+        if conversion_rules:
+            companions = (
+                functools.partial(_conversion_rules, conversion_rules, overwrite=overwrite, strict=strict),
+            )
+    elif overwrite:
+        raise ValueError("apply_patches(overwrite=...) applies to conversion_rules, and none were given")
+    return PatchScope(resolved, explicit=True, strict=strict, companions=companions)

@@ -1,0 +1,40 @@
+"""Class replacement while Transformers builds a model: the patch mapping and where it is in force.
+
+Modules, bottom to top (each imports only those above it in this list, and nothing of
+:mod:`modelpatch.conversion`, :mod:`modelpatch.routing` or :mod:`modelpatch.outputs`):
+
+``registry``      validated patch mappings, key resolution, the process-wide registry
+``catalog``       which classes may be replaced (``nn.Module`` classes of Transformers' modeling modules)
+``interception``  the reference-counted ``__init__`` hook through which an original builds its replacement
+``records``       what modelpatch remembers on the instances it builds (provenance, build record)
+``conflicts``     container/inner conflicts (a pattern replacing ``BertAttention`` and ``BertSelfAttention``)
+``scopes``        :class:`PatchScope`: one activation of a mapping, per thread / asyncio task
+``report``        :func:`patch_report`, read from the model itself
+"""
+
+from .records import replacement_of
+from .registry import (
+    clear_patch_mapping,
+    get_patch_mapping,
+    is_strict_patching,
+    register_patch_mapping,
+    set_strict_patching,
+    unregister_patch_mapping,
+)
+from .report import PatchReport, PatchRow, patch_report
+from .scopes import PatchScope, UnmatchedPatchKeyError
+
+__all__ = [
+    "PatchReport",
+    "PatchRow",
+    "PatchScope",
+    "UnmatchedPatchKeyError",
+    "clear_patch_mapping",
+    "get_patch_mapping",
+    "is_strict_patching",
+    "patch_report",
+    "register_patch_mapping",
+    "replacement_of",
+    "set_strict_patching",
+    "unregister_patch_mapping",
+]

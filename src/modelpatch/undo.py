@@ -1,0 +1,187 @@
+"""One undo primitive for temporary changes to objects: :class:`UndoStack`.
+
+Modelled on pytest's ``MonkeyPatch``: every change is pushed as ``(target, name, previous value or
+ABSENT)`` and :meth:`UndoStack.undo` restores them in reverse order, deleting what was absent before.
+Used as a context manager it undoes on any exit (normal, exception, ``KeyboardInterrupt``). Attributes
+can be set through the object's own ``__setattr__`` (instances of ``nn.Module``: parameters, submodules)
+or written raw into its ``__dict__`` (``raw=True``: class dictionaries, instance attributes that must
+not go through ``nn.Module.__setattr__``), and dict items can be changed the same way.
+
+modelpatch uses it wherever it changes an object for a while and must put it back exactly: the
+``__init__`` hooks of class interception, router instances during routing record/replay, and the
+``PreTrainedModel`` wrappers installed at import (whose ``uninstall()`` is an undo).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import MutableMapping
+from typing import Any
+
+__all__ = ["ABSENT", "UndoStack"]
+
+
+class _Absent:
+    """Marker for "the attribute/key did not exist before the change"."""
+
+    _instance: _Absent | None = None
+
+    def __new__(cls) -> _Absent:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+    def __reduce__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT: Any = _Absent()
+
+
+class UndoStack:
+    """A stack of temporary changes to objects, undone in reverse order.
+
+    Example::
+
+        with UndoStack() as undo:
+            undo.setattr(router, "forward", replay_forward)   # router.forward is back after the block
+            undo.setitem(config.__dict__, "use_cache", False)
+
+    Every method records the previous state *before* changing anything, so a change that raises leaves
+    nothing to undo for it. The stack is thread-safe; it can be undone once, then reused.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changes: list[tuple[str, object, object, object]] = []
+
+    # -- changes ---------------------------------------------------------------------------------------
+    def setattr(self, target: object, name: str, value: object, *, raw: bool = False) -> None:
+        """Set ``target.name = value``; undo restores the previous value or deletes the attribute.
+
+        The previous value is the target's *own* one (its ``__dict__``, or for an ``nn.Module`` its
+        parameters, buffers and submodules): an attribute that was only inherited from the class (a
+        method such as ``forward``) is undone by deleting the instance attribute, never by copying the
+        bound method onto the instance.
+
+        ``raw=True`` reads and writes ``vars(target)`` directly (``type.__setattr__`` for classes,
+        ``object.__setattr__`` for instances), bypassing a custom ``__setattr__``; the previous value is
+        then the one *in the object's own dict*, so an inherited attribute is undone by deleting the own one.
+        """
+        if raw:
+            previous = type(target) if name == "__class__" else vars(target).get(name, ABSENT)
+            _raw_set(target, name, value)
+            kind = "raw"
+        else:
+            previous = _own_value(target, name)
+            setattr(target, name, value)
+            kind = "attr"
+        with self._lock:
+            self._changes.append((kind, target, name, previous))
+
+    def delattr(self, target: object, name: str, *, raw: bool = False) -> None:
+        """Delete ``target.name`` (which must exist); undo sets it back."""
+        if raw:
+            previous = vars(target)[name]
+            _raw_del(target, name)
+            kind = "raw"
+        else:
+            previous = _own_value(target, name)
+            if previous is ABSENT:
+                raise AttributeError(f"{type(target).__name__!r} object has no own attribute {name!r} to delete")
+            delattr(target, name)
+            kind = "attr"
+        with self._lock:
+            self._changes.append((kind, target, name, previous))
+
+    def setitem(self, mapping: MutableMapping, key: object, value: object) -> None:
+        """Set ``mapping[key] = value``; undo restores the previous value or deletes the key."""
+        previous = mapping.get(key, ABSENT)
+        mapping[key] = value
+        with self._lock:
+            self._changes.append(("item", mapping, key, previous))
+
+    def delitem(self, mapping: MutableMapping, key: object) -> None:
+        """Delete ``mapping[key]`` if present; undo sets it back."""
+        if key not in mapping:
+            return
+        previous = mapping.pop(key)
+        with self._lock:
+            self._changes.append(("item", mapping, key, previous))
+
+    # -- undo ------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._changes)
+
+    def undo(self) -> None:
+        """Restore every change in reverse order; the stack is empty afterwards.
+
+        Every change is undone even if one of them raises; the first error is raised at the end.
+        """
+        with self._lock:
+            changes, self._changes = self._changes, []
+        error: BaseException | None = None
+        for kind, target, name, previous in reversed(changes):
+            try:
+                _restore(kind, target, name, previous)
+            except BaseException as exc:  # keep undoing the rest
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> UndoStack:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.undo()
+
+
+def _own_value(target: object, name: str) -> object:
+    if name == "__class__":
+        return type(target)
+    own = getattr(target, "__dict__", None)
+    if own is None:  # __slots__ objects: no inheritance question to answer
+        return getattr(target, name, ABSENT)
+    if name in own:
+        return own[name]
+    for store in ("_parameters", "_buffers", "_modules"):  # nn.Module keeps these outside __dict__
+        table = own.get(store)
+        if isinstance(table, dict) and name in table:
+            return table[name]
+    return ABSENT
+
+
+def _raw_set(target: object, name: str, value: object) -> None:
+    if isinstance(target, type):
+        type.__setattr__(target, name, value)
+    else:
+        object.__setattr__(target, name, value)
+
+
+def _raw_del(target: object, name: str) -> None:
+    if isinstance(target, type):
+        type.__delattr__(target, name)
+    else:
+        object.__delattr__(target, name)
+
+
+def _restore(kind: str, target: Any, name: Any, previous: object) -> None:
+    if kind == "item":
+        if previous is ABSENT:
+            target.pop(name, None)
+        else:
+            target[name] = previous
+    elif kind == "raw":
+        if previous is ABSENT:
+            if name in vars(target):
+                _raw_del(target, name)
+        else:
+            _raw_set(target, name, previous)
+    elif previous is ABSENT:
+        if hasattr(target, name):
+            delattr(target, name)
+    else:
+        setattr(target, name, previous)
