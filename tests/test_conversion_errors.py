@@ -24,7 +24,7 @@ from modelpatch.conversion import (
     Transpose,
     WeightConverter,
     WeightRenaming,
-    conversion_rules,
+    apply_conversion_rules,
 )
 
 @pytest.fixture(scope="module")
@@ -39,21 +39,21 @@ UNUSED = WeightRenaming("does_not_exist", "still_does_not_exist")
 
 def test_rule_matching_nothing_warns_with_its_name(llama, caplog):
     with caplog.at_level(logging.WARNING, logger="modelpatch.conversion"):
-        with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE, UNUSED]}):
+        with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE, UNUSED]}):
             AutoModelForCausalLM.from_pretrained(llama)
     messages = [r.getMessage() for r in caplog.records if r.name == "modelpatch.conversion"]
     assert any("does_not_exist" in m and "'llama'" in m and "matched no checkpoint key" in m for m in messages)
 
 
 def test_rule_matching_nothing_raises_when_strict(llama):
-    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE, UNUSED]}, strict=True):
+    with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE, UNUSED]}, strict=True):
         with pytest.raises(ConversionError, match="does_not_exist"):
             AutoModelForCausalLM.from_pretrained(llama)
 
 
 def test_shape_mismatch_names_key_and_both_shapes(llama):
     transposed = WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [Concatenate(dim=0), Transpose(0, 1)])
-    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [transposed]}):
+    with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [transposed]}):
         with pytest.raises(ConversionShapeError) as info:
             AutoModelForCausalLM.from_pretrained(llama)
     error = info.value
@@ -64,7 +64,7 @@ def test_shape_mismatch_names_key_and_both_shapes(llama):
 
 def test_target_that_is_not_a_parameter_is_an_error(llama):
     typo = WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_projection", [Concatenate(dim=0)])
-    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [typo]}):
+    with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [typo]}):
         with pytest.raises(ConversionError, match="qkv_projection"):
             AutoModelForCausalLM.from_pretrained(llama)
 

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from modelpatch.conversion import conversion_rules
+from modelpatch.conversion import apply_conversion_rules
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
               num_experts_per_tok=2)
@@ -51,7 +51,7 @@ def test_per_expert_from_fused_layout(model_type, tmp_path):
     ck = checkpoint(tmp_path / "fused")
     assert "model.layers.0.mlp.experts.gate_up_proj" in ck
 
-    with patched({experts_class: ModuleListExperts}), conversion_rules({model_type: PER_EXPERT_RULES}):
+    with patched({experts_class: ModuleListExperts}), apply_conversion_rules({model_type: PER_EXPERT_RULES}):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "fused")
 
     for i, layer in enumerate(model.model.layers):

@@ -23,7 +23,7 @@ from transformers import (
     Qwen2MoeForCausalLM,
 )
 
-from modelpatch.conversion import ConversionError, conversion_rules, load_converted_state_dict
+from modelpatch.conversion import ConversionError, apply_conversion_rules, load_converted_state_dict
 from modelpatch.recipes import get_recipe
 
 
@@ -96,7 +96,7 @@ def test_checkpoint_with_more_layers_than_the_model(tmp_path):
 
 def test_rule_that_fits_no_parameter_is_still_an_error(tmp_path):
     randomize_(LlamaForCausalLM(tiny_llama_config())).save_pretrained(tmp_path)
-    with conversion_rules({"llama": [QKV_RULE]}):  # no patch: the model has no qkv_proj anywhere
+    with apply_conversion_rules({"llama": [QKV_RULE]}):  # no patch: the model has no qkv_proj anywhere
         with pytest.raises(ConversionError, match="qkv_proj.*not a parameter"):
             AutoModelForCausalLM.from_pretrained(tmp_path)
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers import modeling_utils
 
-from modelpatch.conversion import conversion_rules, hooks, load_converted_state_dict
+from modelpatch.conversion import apply_conversion_rules, hooks, load_converted_state_dict
 from modelpatch.conversion.pages import release_pages
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are released on Linux only")
@@ -70,11 +70,11 @@ def test_patched_from_pretrained_releases_sources_and_loads_exact_values(wide_ll
         released.append(original(sources, outputs))
         return released[-1]
 
-    from modelpatch.conversion import engine
+    from modelpatch.conversion import plan as engine
 
     engine.release_pages = spy
     try:
-        with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
+        with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE]}):
             model = AutoModelForCausalLM.from_pretrained(folder)
     finally:
         engine.release_pages = original
@@ -108,7 +108,7 @@ def test_another_wrapper_installed_after_ours_is_kept_and_called(wide_llama):
         hooks.install()  # called again on every converted load; must leave `theirs` in front of ours
         assert modeling_utils.convert_and_load_state_dict_in_model is theirs
         for _ in range(2):
-            with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
+            with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE]}):
                 model = AutoModelForCausalLM.from_pretrained(folder)
         assert len(calls) == 2
         assert_params_equal(model, expected_fused(model.state_dict(), ck))

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from modelpatch.conversion import (
     ConversionError,
     conversion_report,
-    conversion_rules,
+    apply_conversion_rules,
     convert_checkpoint,
     load_converted_state_dict,
     register_checkpoint_conversion_mapping,
@@ -117,7 +117,7 @@ def test_already_converted_checkpoint_saves_the_original_layout(sharded_llama, t
     error when strict: the checkpoint is already in the rule's target layout) and still saves back."""
     folder, ck = sharded_llama
     convert_checkpoint(folder, tmp_path / "fused", rules=[QKV_RULE])
-    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}, strict=True):
+    with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE]}, strict=True):
         with caplog.at_level(logging.WARNING):
             model = AutoModelForCausalLM.from_pretrained(tmp_path / "fused")
     assert "matched no checkpoint key" not in caplog.text

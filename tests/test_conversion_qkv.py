@@ -28,7 +28,7 @@ from transformers import (
 
 from modelpatch.conversion import (
     conversion_report,
-    conversion_rules,
+    apply_conversion_rules,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
@@ -70,7 +70,7 @@ def saved(tmp_path_factory, name, cls, config, **save_kwargs):
 
 
 def _load_fused(folder, attention_class_name, model_type, **kwargs):
-    with patched({attention_class_name: FusedQKVAttention}), conversion_rules({model_type: [QKV_RULE]}):
+    with patched({attention_class_name: FusedQKVAttention}), apply_conversion_rules({model_type: [QKV_RULE]}):
         return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
 
 
@@ -136,7 +136,7 @@ def test_sharded_dtype_and_tied_embeddings(tmp_path_factory, tmp_path):
 
 def test_from_config_model_saves_original_layout_twice_identically(tmp_path):
     config = CASES["llama-gqa"][1]()
-    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
+    with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE]}):
         model = randomize_(AutoModelForCausalLM.from_config(config))
         model.save_pretrained(tmp_path / "a")
         model.save_pretrained(tmp_path / "b")
@@ -171,7 +171,7 @@ def test_report_lists_fired_rules(tmp_path_factory):
 def test_from_config_model_bound_in_scope_saves_original_layout_after_it(tmp_path):
     from modelpatch.conversion import bind_conversion_rules
 
-    with patched({"LlamaAttention": FusedQKVAttention}), conversion_rules({"llama": [QKV_RULE]}):
+    with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE]}):
         model = randomize_(AutoModelForCausalLM.from_config(CASES["llama-gqa"][1]()))
         assert bind_conversion_rules(model)
     model.save_pretrained(tmp_path)
@@ -186,7 +186,7 @@ def test_fused_checkpoint_into_vanilla_model_infers_unequal_chunk_sizes(tmp_path
     vanilla, folder, ck = saved(tmp_path_factory, "llama-gqa", *CASES["llama-gqa"][:1], CASES["llama-gqa"][1]())
     _load_fused(folder, "LlamaAttention", "llama").save_pretrained(tmp_path / "fused", save_original_format=False)
     split = WeightConverter("qkv_proj", ["q_proj", "k_proj", "v_proj"], [Chunk(dim=0)])
-    with conversion_rules({"llama": [split]}):
+    with apply_conversion_rules({"llama": [split]}):
         model = LlamaForCausalLM.from_pretrained(tmp_path / "fused")
     assert_same_tensors(model.state_dict(), vanilla.state_dict())
     model.save_pretrained(tmp_path / "again")  # reverse: Concatenate, back to the fused layout

@@ -28,7 +28,7 @@ from modelpatch.conversion import (
     SplitModulelist,
     WeightConverter,
     WeightRenaming,
-    conversion_rules,
+    apply_conversion_rules,
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
@@ -126,7 +126,7 @@ def test_founding_cleanup_clear_patch_mapping_also_drops_the_override(qwen2_moe)
 def test_scoped_rules_undo_on_exit_even_on_error(qwen2_moe):
     _, folder, ck = qwen2_moe
     with pytest.raises(RuntimeError):
-        with conversion_rules({"qwen2_moe": [QKV_RULE]}, overwrite=True):
+        with apply_conversion_rules({"qwen2_moe": [QKV_RULE]}, overwrite=True):
             assert get_checkpoint_conversion_mapping("qwen2_moe")[0].source_patterns == ["q_proj", "k_proj", "v_proj"]
             raise RuntimeError("boom")
     assert [repr(r) for r in get_checkpoint_conversion_mapping("qwen2_moe")] == _builtin_reprs("qwen2_moe")
@@ -135,7 +135,7 @@ def test_scoped_rules_undo_on_exit_even_on_error(qwen2_moe):
 
 def test_scope_is_local_to_the_thread():
     seen = []
-    with conversion_rules({"llama": [QKV_RULE]}):
+    with apply_conversion_rules({"llama": [QKV_RULE]}):
         worker = threading.Thread(target=lambda: seen.append(get_checkpoint_conversion_mapping("llama")))
         worker.start()
         worker.join()
@@ -146,7 +146,7 @@ def test_scope_is_local_to_the_thread():
 def test_class_name_wins_over_model_type(qwen2_moe, tmp_path):
     _, folder, ck = qwen2_moe
     wrong = WeightConverter(["q_proj", "k_proj"], "qkv_proj", [Concatenate(dim=0)])  # would not fit the model
-    with patched({"Qwen2MoeAttention": FusedQKVAttention}), conversion_rules(
+    with patched({"Qwen2MoeAttention": FusedQKVAttention}), apply_conversion_rules(
         {"qwen2_moe": [wrong], "Qwen2MoeForCausalLM": [QKV_RULE]}
     ):
         model = AutoModelForCausalLM.from_pretrained(folder)
@@ -161,7 +161,7 @@ def test_class_name_wins_over_model_type(qwen2_moe, tmp_path):
 
 def test_save_after_scope_still_writes_original_layout(qwen2_moe, tmp_path):
     _, folder, ck = qwen2_moe
-    with patched({"Qwen2MoeAttention": FusedQKVAttention}), conversion_rules({"qwen2_moe": [QKV_RULE]}):
+    with patched({"Qwen2MoeAttention": FusedQKVAttention}), apply_conversion_rules({"qwen2_moe": [QKV_RULE]}):
         model = AutoModelForCausalLM.from_pretrained(folder)
     model.save_pretrained(tmp_path)
     assert_same_tensors(checkpoint(tmp_path), ck)

@@ -38,7 +38,7 @@ def test_full_example_is_the_founding_documents():
     # per-expert experts + fused QKV; the only rule is Concatenate on q/k/v, and the built-in fusion is dropped
     assert FULL_EXAMPLE.patch_mapping == {"Qwen2MoeAttention": FUSED_QKV_CLASSES["qwen2_moe"],
                                           "Qwen2MoeExperts": LINEAR_EXPERTS_CLASSES["qwen2_moe"]}
-    (rule,) = FULL_EXAMPLE.conversion_rules()["qwen2_moe"]
+    (rule,) = FULL_EXAMPLE.build_conversion_rules()["qwen2_moe"]
     assert rule._original_source_patterns == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     assert [type(op).__name__ for op in rule.operations] == ["Concatenate"]
     assert FULL_EXAMPLE.conversion["qwen2_moe"].overwrite is True

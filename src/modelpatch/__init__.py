@@ -24,7 +24,7 @@ from .conversion import (
     bind_conversion_rules,
     clear_checkpoint_conversion_mappings,
     conversion_report,
-    conversion_rules,
+    apply_conversion_rules,
     convert_checkpoint,
     get_checkpoint_conversion_mapping,
     load_converted_state_dict,
@@ -33,7 +33,7 @@ from .conversion import (
 )
 from .integrations.transformers import install as _install
 from .outputs import OutputRecorder, patch_output_recorders, register_output_recorder, unregister_output_recorder
-from .patching.records import Replacement, replacement_of
+from .patching.provenance import Replacement, replacement_of
 from .patching.registry import (
     clear_patch_mapping,
     get_patch_mapping,
@@ -85,7 +85,7 @@ __all__ = [
     "get_checkpoint_conversion_mapping",
     "unregister_checkpoint_conversion_mapping",
     "clear_checkpoint_conversion_mappings",
-    "conversion_rules",
+    "apply_conversion_rules",
     "conversion_report",
     "load_converted_state_dict",
     "convert_checkpoint",

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection, Mapping, Sequence
 
-from .conversion.registry import conversion_rules as _conversion_rules
+from .errors import ModelpatchValueError
+from .conversion.registry import apply_conversion_rules as _conversion_rules
 from .conversion.registry import scoped_rulesets
 from .patching.registry import build_patch_mapping, registered_patch_mapping
 from .patching.scopes import PatchScope
@@ -38,7 +39,7 @@ def apply_patches(
             (otherwise a warning names the modules or the rule).
         conversion_rules: ``{model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}``
             checkpoint conversion rules in force inside the block only (see
-            :func:`modelpatch.conversion.conversion_rules`); Transformers' own rule classes are accepted.
+            :func:`modelpatch.conversion.apply_conversion_rules`); Transformers' own rule classes are accepted.
         overwrite: ``True`` drops Transformers' built-in conversion rules of every name in ``conversion_rules``
             inside the block; a collection of names drops them for those names only.
 
@@ -63,5 +64,5 @@ def apply_patches(
                 functools.partial(_conversion_rules, conversion_rules, overwrite=overwrite, strict=strict),
             )
     elif overwrite:
-        raise ValueError("apply_patches(overwrite=...) applies to conversion_rules, and none were given")
+        raise ModelpatchValueError("apply_patches(overwrite=...) applies to conversion_rules, and none were given")
     return PatchScope(resolved, explicit=True, strict=strict, companions=companions)

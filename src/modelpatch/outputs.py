@@ -30,7 +30,8 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import output_capturing as _capturing
 from transformers.utils.output_capturing import OutputRecorder
 
-from .patching.records import provenance
+from .errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
+from .patching.provenance import provenance
 from .undo import UndoStack
 
 __all__ = ["patch_output_recorders", "register_output_recorder", "unregister_output_recorder", "OutputRecorder"]
@@ -97,7 +98,7 @@ def install_registry_extension(undo: UndoStack) -> None:
 
 def _require_extension() -> None:
     if type(_capturing._CAN_RECORD_REGISTRY) is not _InstanceAwareRegistry:
-        raise RuntimeError(
+        raise ModelpatchRuntimeError(
             "modelpatch's Transformers integration is uninstalled; call modelpatch.integrations.transformers.install()"
         )
 
@@ -242,12 +243,12 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
     ``output_*`` arguments).
     """
     if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"Output recorder name {name!r} must be a Python identifier (used as output_<name>)")
+        raise ModelpatchValueError(f"Output recorder name {name!r} must be a Python identifier (used as output_<name>)")
     recorders = []
     for spec in _as_list(recorder):
         target, rec = _target_and_recorder(name, spec)
         if target is None or not (isinstance(target, type) and issubclass(target, nn.Module)):
-            raise TypeError(f"Recorder {spec!r} for output {name!r} must be an OutputRecorder or nn.Module subclass")
+            raise ModelpatchTypeError(f"Recorder {spec!r} for output {name!r} must be an OutputRecorder or nn.Module subclass")
         recorders.append(rec)
     recorders = tuple(recorders)
     if isinstance(model_or_class, PreTrainedModel):
@@ -255,10 +256,10 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
     elif isinstance(model_or_class, type) and issubclass(model_or_class, PreTrainedModel):
         owners = [model_or_class]
     else:
-        raise TypeError(f"register_output_recorder needs a PreTrainedModel instance or subclass, got {model_or_class!r}")
+        raise ModelpatchTypeError(f"register_output_recorder needs a PreTrainedModel instance or subclass, got {model_or_class!r}")
     for owner in owners:
         if name in _builtin_names(owner):
-            raise ValueError(
+            raise ModelpatchValueError(
                 f"{name!r} is an output {getattr(owner, '__name__', type(owner).__name__)} already records; "
                 "choose another name"
             )
@@ -267,12 +268,12 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
         if isinstance(model_or_class, type):
             existing = _USER_CLASS.get(model_or_class, {})
             if name in existing and not overwrite:
-                raise ValueError(f"Output recorder {name!r} is already registered for {model_or_class.__name__}; pass overwrite=True")
+                raise ModelpatchValueError(f"Output recorder {name!r} is already registered for {model_or_class.__name__}; pass overwrite=True")
             _USER_CLASS[model_or_class] = {**existing, name: recorders}
             return
         taken = [o for o in owners if name in _own(o, _USER_ATTR)]
         if taken and not overwrite:
-            raise ValueError(f"Output recorder {name!r} is already registered on this model; pass overwrite=True")
+            raise ModelpatchValueError(f"Output recorder {name!r} is already registered on this model; pass overwrite=True")
         for owner in owners:
             owner.__dict__[_USER_ATTR] = {**_own(owner, _USER_ATTR), name: recorders}
         _sync_hooks(model_or_class, {name: recorders})
@@ -288,12 +289,12 @@ def unregister_output_recorder(model_or_class, name: str) -> None:
         if isinstance(model_or_class, type):
             entries = _USER_CLASS.get(model_or_class, {})
             if name not in entries:
-                raise KeyError(f"No output recorder {name!r} registered for {model_or_class.__name__}")
+                raise ModelpatchKeyError(f"No output recorder {name!r} registered for {model_or_class.__name__}")
             _USER_CLASS[model_or_class] = {k: v for k, v in entries.items() if k != name}
             return  # hooks left on instances are inert: the registry no longer reports the name
         owners = [m for m in model_or_class.modules() if name in _own(m, _USER_ATTR)]
         if not owners:
-            raise KeyError(f"No output recorder {name!r} registered for {type(model_or_class).__name__}")
+            raise ModelpatchKeyError(f"No output recorder {name!r} registered for {type(model_or_class).__name__}")
         for owner in owners:
             owner.__dict__[_USER_ATTR] = {k: v for k, v in _own(owner, _USER_ATTR).items() if k != name}
         _remove_hooks(model_or_class, name)

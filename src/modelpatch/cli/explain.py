@@ -70,7 +70,7 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
     from ..patching.conflicts import find_conflicts
     from ..conversion import get_checkpoint_conversion_mapping
     from ..conversion.rules import match_rule
-    from ..patching.records import provenance
+    from ..patching.provenance import provenance
 
     config = _config(model_dir, model_type)
     with recipe.apply() as scope:

@@ -184,7 +184,7 @@ def _unfired_rules(recipe: Recipe, model, rows) -> list[str]:
         if isinstance(module, PreTrainedModel):
             names |= {type(module).__name__, getattr(module.config, "model_type", None)}
     fired = {r.rule for r in rows if r.direction == "load"}
-    return [repr(rule) for name, rules in recipe.conversion_rules().items() if name in names
+    return [repr(rule) for name, rules in recipe.build_conversion_rules().items() if name in names
             for rule in rules if repr(rule) not in fired]
 
 

@@ -12,14 +12,14 @@ model's parameter layout on load, and back to the original layout on save. Modul
 ``report``    :func:`conversion_report`               ``reference`` shapes used to split fused tensors exactly
 """
 
-from .engine import ConversionRow
+from .plan import ConversionRow
 from .errors import ConversionError, ConversionShapeError
 from .manual import load_converted_state_dict
 from .offline import convert_checkpoint
 from .ops import Chunk, Concatenate, MergeModulelist, SplitModulelist, Transpose
 from .registry import (
     clear_checkpoint_conversion_mappings,
-    conversion_rules,
+    apply_conversion_rules,
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
@@ -42,7 +42,7 @@ __all__ = [
     "bind_conversion_rules",
     "clear_checkpoint_conversion_mappings",
     "conversion_report",
-    "conversion_rules",
+    "apply_conversion_rules",
     "convert_checkpoint",
     "get_checkpoint_conversion_mapping",
     "load_converted_state_dict",

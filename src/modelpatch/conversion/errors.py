@@ -1,9 +1,11 @@
 """Exceptions raised by the checkpoint conversion layer."""
 
 from __future__ import annotations
+from ..errors import ModelpatchError
 
 
-class ConversionError(ValueError):
+
+class ConversionError(ModelpatchError, ValueError):
     """A conversion rule cannot be applied to a checkpoint or a model.
 
     Raised before any parameter of the model is touched, so a model is never returned half-loaded.

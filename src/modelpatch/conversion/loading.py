@@ -11,7 +11,7 @@ from transformers import core_model_loading as _tcml
 from transformers.utils import logging
 
 from .compose import ResolvedRules, compose_builtins, has_target_layout, rules_fitting_model
-from .engine import Plan, build_plan, shape_of
+from .plan import Plan, build_plan, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .reference import state_shapes
 from .state import ConversionState, set_state

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 import torch
 from transformers import core_model_loading as _tcml
 
+from ..errors import ModelpatchTypeError
 from .compose import ResolvedRules, compose_builtins, has_target_layout, overlaps, resolve_model_rules
-from .engine import ConversionRow, LazyConverted, load_tensor, shape_of
+from .plan import ConversionRow, LazyConverted, load_tensor, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .io import open_checkpoint
 from .loading import model_key, prepare, transformers_renamings
@@ -21,9 +22,9 @@ __all__ = ["load_converted_state_dict"]
 def _resolve(model, rules) -> tuple[ResolvedRules, list]:
     """The rules to apply and Transformers' own key renamings for ``model`` (applied before the rules)."""
     if isinstance(rules, Mapping):
-        raise TypeError(
+        raise ModelpatchTypeError(
             "load_converted_state_dict(rules=...) takes a list of rules; for {name: [rules]} open "
-            "conversion_rules({...}) around the call (or register them)"
+            "apply_conversion_rules({...}) around the call (or register them)"
         )
     if rules is not None:
         resolved = ResolvedRules()

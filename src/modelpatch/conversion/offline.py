@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
-from .engine import ConversionRow, build_plan, load_tensor
+from .plan import ConversionRow, build_plan, load_tensor
 from .errors import ConversionError
 from .io import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, checkpoint_files
 from .reference import ReferenceShapes, state_shapes

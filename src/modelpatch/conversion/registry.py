@@ -1,6 +1,6 @@
 """Registry of user conversion rules, keyed by ``model_type`` or class name, global or scoped.
 
-Global entries live in a process-wide dict guarded by a lock; scoped entries (:func:`conversion_rules`) live in a
+Global entries live in a process-wide dict guarded by a lock; scoped entries (:func:`apply_conversion_rules`) live in a
 ``ContextVar`` stack and vanish when the block exits, also on error. Transformers' own rule table is never mutated
 (in Transformers a user override of ``qwen2_moe`` survived ``clear_patch_mapping()`` and broke every later vanilla
 load); built-in rules are read from it and composed at load/save time (see :mod:`.compose`).
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from transformers import conversion_mapping as _tcm
 
+from ..errors import ModelpatchKeyError, ModelpatchTypeError, ModelpatchValueError
 from ..patching.registry import on_clear
 from .rules import as_modelpatch_rule
 
@@ -25,7 +26,7 @@ __all__ = [
     "register_checkpoint_conversion_mapping",
     "get_checkpoint_conversion_mapping",
     "unregister_checkpoint_conversion_mapping",
-    "conversion_rules",
+    "apply_conversion_rules",
     "lookup",
     "has_rules",
 ]
@@ -56,9 +57,9 @@ _scoped: ContextVar[tuple[Mapping[str, RuleSet], ...]] = ContextVar("modelpatch_
 
 def _make_ruleset(name, mapping, overwrite, strict) -> RuleSet:
     if not isinstance(name, str) or not name:
-        raise TypeError(f"model_type_or_class_name must be a non-empty str, got {name!r}")
+        raise ModelpatchTypeError(f"model_type_or_class_name must be a non-empty str, got {name!r}")
     if isinstance(mapping, (str, bytes)) or not isinstance(mapping, Sequence):
-        raise TypeError(f"mapping for '{name}' must be a list of WeightConverter/WeightRenaming, got {mapping!r}")
+        raise ModelpatchTypeError(f"mapping for '{name}' must be a list of WeightConverter/WeightRenaming, got {mapping!r}")
     return RuleSet(name, tuple(as_modelpatch_rule(rule) for rule in mapping), bool(overwrite), bool(strict))
 
 
@@ -87,7 +88,7 @@ def register_checkpoint_conversion_mapping(
 
     with _lock:
         if model_type_or_class_name in _global and not overwrite:
-            raise ValueError(
+            raise ModelpatchValueError(
                 f"Conversion mapping for '{model_type_or_class_name}' is already registered; pass overwrite=True "
                 "to replace it or unregister it first."
             )
@@ -103,7 +104,7 @@ def unregister_checkpoint_conversion_mapping(model_type_or_class_name: str) -> N
     """
     with _lock:
         if model_type_or_class_name not in _global:
-            raise KeyError(f"No conversion mapping registered for '{model_type_or_class_name}'")
+            raise ModelpatchKeyError(f"No conversion mapping registered for '{model_type_or_class_name}'")
         del _global[model_type_or_class_name]
 
 
@@ -165,7 +166,7 @@ def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list | N
 
 
 @contextmanager
-def conversion_rules(
+def apply_conversion_rules(
     mapping: Mapping[str, Sequence], *, overwrite: bool | Collection[str] = False, strict: bool = False
 ) -> Iterator[None]:
     """Scoped form of :func:`register_checkpoint_conversion_mapping`: ``{name: [rules...]}`` apply to loads and saves
@@ -200,19 +201,19 @@ def conversion_rules(
 def scoped_rulesets(
     mapping: Mapping[str, Sequence], *, overwrite: bool | Collection[str] = False, strict: bool = False
 ) -> dict[str, RuleSet]:
-    """Validate the arguments of :func:`conversion_rules` into ``{name: RuleSet}`` (raises as it documents)."""
+    """Validate the arguments of :func:`apply_conversion_rules` into ``{name: RuleSet}`` (raises as it documents)."""
     if not isinstance(mapping, Mapping):
-        raise TypeError(
+        raise ModelpatchTypeError(
             "conversion_rules must be a dict {model_type_or_class_name: [WeightConverter | WeightRenaming, ...]}, "
             f"got {type(mapping).__name__}: e.g. conversion_rules={{'llama': [rule]}} instead of conversion_rules=[rule]"
         )
     if isinstance(overwrite, bool):
         overwritten = set(mapping) if overwrite else set()
     elif isinstance(overwrite, (str, bytes)) or not isinstance(overwrite, Collection):
-        raise TypeError(f"overwrite must be a bool or a collection of names, got {overwrite!r}")
+        raise ModelpatchTypeError(f"overwrite must be a bool or a collection of names, got {overwrite!r}")
     else:
         overwritten = set(overwrite)
         unknown = sorted(overwritten - set(mapping))
         if unknown:
-            raise ValueError(f"overwrite names {unknown}, which have no rules in conversion_rules ({sorted(mapping)})")
+            raise ModelpatchValueError(f"overwrite names {unknown}, which have no rules in conversion_rules ({sorted(mapping)})")
     return {name: _make_ruleset(name, rules, name in overwritten, strict) for name, rules in mapping.items()}

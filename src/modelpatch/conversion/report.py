@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..patching.report import add_conversion_reader
-from .engine import ConversionRow
+from .plan import ConversionRow
 from .state import get_state
 
 __all__ = ["conversion_report"]

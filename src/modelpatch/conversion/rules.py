@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from transformers import core_model_loading as _tcml
 
+from ..errors import ModelpatchTypeError
 from .errors import ConversionError
 from .ops import as_modelpatch_op
 
@@ -137,4 +138,4 @@ def as_modelpatch_rule(rule) -> WeightRenaming | WeightConverter:
         return WeightConverter(
             list(rule._original_source_patterns), list(rule._original_target_patterns), list(rule.operations)
         )
-    raise TypeError(f"expected a WeightRenaming or WeightConverter, got {type(rule).__name__}: {rule!r}")
+    raise ModelpatchTypeError(f"expected a WeightRenaming or WeightConverter, got {type(rule).__name__}: {rule!r}")

@@ -6,7 +6,7 @@ from transformers import conversion_mapping as _tcm
 from transformers import core_model_loading as _tcml
 
 from .compose import compose_builtins, resolve_model_rules, rules_fitting_model
-from .engine import build_plan
+from .plan import build_plan
 from .reference import ReferenceShapes
 from .state import ConversionState, get_state
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers.utils import logging
 
-from ..patching.records import provenance
+from ..patching.provenance import provenance
 from .errors import ConversionError
 
 logger = logging.get_logger("modelpatch")

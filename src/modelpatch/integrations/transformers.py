@@ -25,7 +25,7 @@ from transformers.modeling_utils import PreTrainedModel
 from ..conversion import hooks as conversion_hooks
 from ..conversion.saving import bind_conversion_rules
 from ..outputs import install_registry_extension, patch_output_recorders
-from ..patching.records import BuildRecord, build_record, set_build_record
+from ..patching.provenance import BuildRecord, build_record, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..undo import UndoStack

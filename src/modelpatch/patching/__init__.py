@@ -12,7 +12,7 @@ Modules, bottom to top (each imports only those above it in this list, and nothi
 ``report``        :func:`patch_report`, read from the model itself
 """
 
-from .records import replacement_of
+from .provenance import replacement_of
 from .registry import (
     clear_patch_mapping,
     get_patch_mapping,

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 
+from ..errors import ModelpatchTypeError
 from ..undo import UndoStack
 
 __all__ = ["install_hook", "uninstall_hook", "hooked_classes"]
@@ -54,7 +55,7 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                 try:
                     object.__setattr__(self, "__class__", replacement)
                 except TypeError as exc:
-                    raise TypeError(
+                    raise ModelpatchTypeError(
                         f"modelpatch cannot build {replacement.__qualname__} in place of {target.__qualname__}: "
                         f"{exc} (a replacement must be a plain nn.Module subclass without __slots__)"
                     ) from None

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch.nn as nn
+from ..errors import ModelpatchTypeError, ModelpatchValueError
+
 
 __all__ = [
     "PatchRule",
@@ -64,24 +66,24 @@ class PatchRule:
 def _make_rule(key: object, replacement: object) -> PatchRule:
     """Validate one ``key -> replacement`` pair; raises ``TypeError``/``ValueError`` naming the key."""
     if not isinstance(key, str):
-        raise TypeError(f"Patch mapping key {key!r} must be a str (a class name or a regex), got {type(key).__name__}")
+        raise ModelpatchTypeError(f"Patch mapping key {key!r} must be a str (a class name or a regex), got {type(key).__name__}")
     if not isinstance(replacement, type):
-        raise TypeError(
+        raise ModelpatchTypeError(
             f"Replacement for {key!r} must be a class, got {type(replacement).__name__} ({replacement!r})"
         )
     if not issubclass(replacement, nn.Module):
-        raise TypeError(
+        raise ModelpatchTypeError(
             f"Replacement for {key!r} must be a subclass of torch.nn.Module, got {replacement.__qualname__} "
             f"(bases: {[c.__name__ for c in replacement.__mro__[1:]]})"
         )
     if key == "":
-        raise ValueError("Patch mapping key '' is empty: as a regex it would match every class")
+        raise ModelpatchValueError("Patch mapping key '' is empty: as a regex it would match every class")
     if key.isidentifier():
         return PatchRule(key, replacement, None)
     try:
         compiled = re.compile(key)
     except re.error as exc:
-        raise ValueError(f"Patch mapping key {key!r} is not a valid regular expression: {exc}") from None
+        raise ModelpatchValueError(f"Patch mapping key {key!r} is not a valid regular expression: {exc}") from None
     return PatchRule(key, replacement, compiled)
 
 
@@ -140,7 +142,7 @@ def build_patch_mapping(mapping: Mapping[str, type] | PatchMapping) -> PatchMapp
     if isinstance(mapping, PatchMapping):
         return mapping
     if not isinstance(mapping, Mapping):
-        raise TypeError(f"A patch mapping must be a dict of key -> replacement class, got {type(mapping).__name__}")
+        raise ModelpatchTypeError(f"A patch mapping must be a dict of key -> replacement class, got {type(mapping).__name__}")
     return PatchMapping(tuple(_make_rule(k, v) for k, v in mapping.items()))
 
 
@@ -166,7 +168,7 @@ class _Registry:
             if not overwrite:
                 taken = [r.key for r in new.rules if r.key in self._rules]
                 if taken:
-                    raise ValueError(
+                    raise ModelpatchValueError(
                         f"Patch mapping key(s) {taken} already registered "
                         f"(to {[self._rules[k].replacement.__qualname__ for k in taken]}); pass overwrite=True to replace"
                     )
@@ -180,7 +182,7 @@ class _Registry:
         with self._lock:
             unknown = [k for k in keys if k not in self._rules]
             if unknown:
-                raise ValueError(
+                raise ModelpatchValueError(
                     f"Patch mapping key(s) {unknown} are not registered; registered keys: {list(self._rules)}"
                 )
             self._publish({k: r for k, r in self._rules.items() if k not in set(keys)})

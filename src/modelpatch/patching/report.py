@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from .conflicts import Conflict
-from .records import build_record, provenance
+from .provenance import build_record, provenance
 
 __all__ = ["PatchRow", "PatchReport", "patch_report", "add_conversion_reader"]
 

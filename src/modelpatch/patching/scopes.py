@@ -21,10 +21,11 @@ from contextvars import ContextVar
 
 from transformers.utils import logging
 
+from ..errors import ModelpatchRuntimeError, ModelpatchTypeError
 from ..errors import ModelpatchError
 from .catalog import CATALOG
 from .interception import install_hook, uninstall_hook
-from .records import Replacement, build_record, set_provenance
+from .provenance import Replacement, build_record, set_provenance
 from .registry import PatchMapping, PatchRule
 
 logger = logging.get_logger("modelpatch")
@@ -171,7 +172,7 @@ class PatchScope:
     # -- context manager --------------------------------------------------------------------------
     def __enter__(self) -> "PatchScope":
         if self._entered:
-            raise RuntimeError("A PatchScope can be entered only once; call apply_patches() again")
+            raise ModelpatchRuntimeError("A PatchScope can be entered only once; call apply_patches() again")
         self._entered = True
         with _LIVE_LOCK:
             try:
@@ -203,7 +204,7 @@ class PatchScope:
             RuntimeError: the scope was never started, or is already stopped.
         """
         if not self._entered or self.closed:
-            raise RuntimeError("PatchScope.stop(): the scope is not started (or already stopped)")
+            raise ModelpatchRuntimeError("PatchScope.stop(): the scope is not started (or already stopped)")
         self.__exit__(None, None, None)
 
     def __call__(self, func):
@@ -214,7 +215,7 @@ class PatchScope:
                 caller's context between two ``yield``s (open the block inside the body instead, around the work).
         """
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
-            raise TypeError(
+            raise ModelpatchTypeError(
                 f"apply_patches cannot decorate the generator function {func.__qualname__}: the block would stay "
                 "open in the caller between yields; use `with apply_patches(...)` around the work inside it"
             )

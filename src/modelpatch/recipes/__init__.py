@@ -18,6 +18,7 @@ built-in expert fusion dropped).
 
 from __future__ import annotations
 
+from ..errors import ModelpatchError
 from .attention import FAMILIES as _ATTENTION_FAMILIES
 from .attention import FUSED_QKV_CLASSES, FusedQKVAttention, fused_qkv_recipe
 from .base import Recipe, RuleSpec
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 
-class UnknownRecipeError(KeyError):
+class UnknownRecipeError(ModelpatchError, KeyError):
     """No recipe of that name (the message lists the known ones)."""
 
     def __str__(self) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from ..errors import ModelpatchValueError
+
 
 __all__ = ["Recipe", "RuleSpec"]
 
@@ -52,7 +54,7 @@ class Recipe:
     conversion: Mapping[str, RuleSpec] = field(default_factory=dict)
     model_types: tuple[str, ...] = ()
 
-    def conversion_rules(self) -> dict[str, list]:
+    def build_conversion_rules(self) -> dict[str, list]:
         """Fresh rules per registry name: ``{name: [WeightConverter | WeightRenaming, ...]}``."""
         return {name: spec.rules() for name, spec in self.conversion.items()}
 
@@ -72,7 +74,7 @@ class Recipe:
 
         overwritten = [name for name, spec in self.conversion.items() if spec.overwrite]
         with apply_patches(
-            dict(self.patch_mapping), strict=strict, conversion_rules=self.conversion_rules(), overwrite=overwritten
+            dict(self.patch_mapping), strict=strict, conversion_rules=self.build_conversion_rules(), overwrite=overwritten
         ) as scope:
             yield scope
 
@@ -118,7 +120,7 @@ class Recipe:
             return NotImplemented
         clash = [k for k in other.patch_mapping if k in self.patch_mapping and self.patch_mapping[k] is not other.patch_mapping[k]]
         if clash:
-            raise ValueError(f"recipes {self.name!r} and {other.name!r} both patch {clash}")
+            raise ModelpatchValueError(f"recipes {self.name!r} and {other.name!r} both patch {clash}")
         conversion = dict(self.conversion)
         for name, spec in other.conversion.items():
             mine = conversion.get(name)

@@ -15,6 +15,7 @@ from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
+from ..errors import ModelpatchValueError
 from ..conversion import Concatenate, WeightConverter
 from .base import Recipe, RuleSpec
 
@@ -29,7 +30,7 @@ class FusedQKVBertSelfAttention(nn.Module):
     def __init__(self, config, is_causal: bool = False, layer_idx: int | None = None):
         super().__init__()
         if config.hidden_size % config.num_attention_heads != 0:
-            raise ValueError(
+            raise ModelpatchValueError(
                 f"The hidden size ({config.hidden_size}) is not a multiple of the number of attention heads "
                 f"({config.num_attention_heads})"
             )

@@ -9,7 +9,7 @@
   ``CompletionOutput.routed_experts``) and saves to safetensors.
 """
 
-from .engine import from_routed_experts, to_routed_experts
+from .engine_arrays import from_routed_experts, to_routed_experts
 from .kinds import FAMILY_KINDS, RouterContractError, kind_for_family
 from .session import RoutingReplayError, record_routing, replay_routing
 from .sites import RouterSite, RoutingDiscoveryError, find_router_sites

@@ -32,12 +32,14 @@ from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from ..errors import ModelpatchError
+
 
 __all__ = ["RouterKind", "TopKSelection", "SparseMixerSelection", "TOPK", "SPARSEMIXER", "FAMILY_KINDS",
            "UNSUPPORTED_FAMILIES", "kind_for_family", "RouterContractError"]
 
 
-class RouterContractError(RuntimeError):
+class RouterContractError(ModelpatchError, RuntimeError):
     """A router did not behave as its kind expects (e.g. no, or several, routing top-k calls in one call)."""
 
 

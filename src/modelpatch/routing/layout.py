@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.utils import logging
+from ..errors import ModelpatchRuntimeError
+
 
 logger = logging.get_logger(__name__)
 
@@ -90,7 +92,7 @@ def layout_from_call(module: torch.nn.Module, args: tuple, kwargs: dict, sig=Non
     if ref is None:
         ref = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if ref is None or ref.dim() < 2:
-        raise RuntimeError(
+        raise ModelpatchRuntimeError(
             f"routing: cannot read the batch layout of {type(module).__name__}.forward "
             "(expected input_ids (batch, seq_len) or inputs_embeds (batch, seq_len, hidden))"
         )

@@ -32,6 +32,8 @@ from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
+from ..errors import ModelpatchError
+
 
 __all__ = [
     "RoutingReplayError",
@@ -52,7 +54,7 @@ def _noop(idx) -> None:
     return None
 
 
-class RoutingReplayError(RuntimeError):
+class RoutingReplayError(ModelpatchError, RuntimeError):
     """A replay block consumed more or fewer routes than its trace holds, or a forward does not fit it."""
 
 

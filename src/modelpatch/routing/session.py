@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..errors import ModelpatchRuntimeError
 from .layout import ForwardLayout, _signature_binder, layout_from_call
 from .recompute import MARK as _MARK
 from .recompute import (
@@ -292,7 +293,7 @@ class _Session:
             for site in self.sites:
                 router = site.module
                 if getattr(router, _MARK, None) is not None:
-                    raise RuntimeError(
+                    raise ModelpatchRuntimeError(
                         f"layer {site.layer_idx}: router already driven by another record_routing/replay_routing "
                         "block; these blocks do not nest on the same model"
                     )

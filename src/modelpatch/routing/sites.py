@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import ModelpatchError
 from .kinds import RouterKind, kind_for_family
 
 __all__ = ["RouterSite", "find_router_sites", "RoutingDiscoveryError"]
@@ -24,7 +25,7 @@ _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk", "moe_k", "k")
 _LAYER_RE = re.compile(r"^(?P<stack>(?:.*\.)?[A-Za-z_]\w*)\.(?P<idx>\d+)(?:\.|$)")
 
 
-class RoutingDiscoveryError(RuntimeError):
+class RoutingDiscoveryError(ModelpatchError, RuntimeError):
     """The model has no router that `modelpatch.routing` can drive, or its routers are ambiguous."""
 
 

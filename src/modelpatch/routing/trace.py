@@ -7,13 +7,15 @@ import os
 from typing import Iterator, Mapping, Sequence
 
 import torch
+from ..errors import ModelpatchError, ModelpatchKeyError
+
 
 __all__ = ["RoutingTrace", "RoutingTraceError", "compact_dtype"]
 
 _FORMAT = "modelpatch.routing_trace/1"
 
 
-class RoutingTraceError(ValueError):
+class RoutingTraceError(ModelpatchError, ValueError):
     """A routing trace, or an engine array, does not fit the model or is malformed."""
 
 
@@ -210,7 +212,7 @@ class RoutingTrace:
     def __getitem__(self, layer_idx: int) -> list[torch.Tensor]:
         """``[LongTensor (num_tokens, top_k) per sequence]`` of decoder layer ``layer_idx``."""
         if layer_idx not in self._blocks:
-            raise KeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
+            raise ModelpatchKeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
         return [t.clone() for t in self._rows(layer_idx)]
 
     def _rows(self, layer_idx: int) -> list[torch.Tensor]:
@@ -336,13 +338,13 @@ class RoutingTrace:
 
         See :func:`modelpatch.routing.engine.from_routed_experts` for the arguments; this is the same call.
         """
-        from .engine import from_routed_experts
+        from .engine_arrays import from_routed_experts
 
         return from_routed_experts(routed_experts, model, **kwargs)
 
     def to_routed_experts(self, sequence: int | None = None, **kwargs):
         """Engine layout ``(seq_len, num_layers, top_k)``; see :func:`modelpatch.routing.engine.to_routed_experts`."""
-        from .engine import to_routed_experts
+        from .engine_arrays import to_routed_experts
 
         return to_routed_experts(self, sequence, **kwargs)
 

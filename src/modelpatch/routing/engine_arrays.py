@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..errors import ModelpatchValueError
 from .sites import find_router_sites
 from .trace import RoutingTrace, RoutingTraceError
 
@@ -109,7 +110,7 @@ def from_routed_experts(
             )
     expected = {"all": num_hidden, "moe": len(moe_layers)}.get(layer_axis)
     if expected is None:
-        raise ValueError(f"layer_axis must be 'auto', 'all' or 'moe', received {layer_axis!r}")
+        raise ModelpatchValueError(f"layer_axis must be 'auto', 'all' or 'moe', received {layer_axis!r}")
     if n_axis != expected:
         raise RoutingTraceError(f"layer axis ({layer_axis!r}): expected {expected} layers, received {n_axis}")
     if seq_lens is not None and len(seq_lens) != len(arrays):
@@ -182,7 +183,7 @@ def to_routed_experts(
         cols = list(range(len(layers)))
         n_axis = len(layers)
     else:
-        raise ValueError(f"layer_axis must be 'all' or 'moe', received {layer_axis!r}")
+        raise ModelpatchValueError(f"layer_axis must be 'all' or 'moe', received {layer_axis!r}")
     per_layer = {layer: trace[layer] for layer in layers}
     seqs = range(trace.num_sequences) if sequence is None else [sequence]
     out = []
