@@ -1,15 +1,25 @@
-"""Checkpoint weight conversion for patched models (SPEC section 3).
+"""Checkpoint weight conversion for patched models.
 
 Rules (:class:`WeightConverter`, :class:`WeightRenaming`) and operations map checkpoint tensors onto a patched
-model's parameter layout on load, and back to the original layout on save. Modules, one concern each:
+model's parameter layout on load, and back to the original layout on save. Modules, bottom to top (each imports only
+modules above it in this list, and from outside the package only :mod:`modelpatch.errors` and :mod:`modelpatch.patching`):
 
-``ops``       operations with exact inverses          ``rules``     rules with module-path-boundary matching
-``registry``  global and scoped rule registry         ``compose``   per-model resolution, built-in composition
-``engine``    grouping, meta dry run, lazy conversion ``loading``   ``from_pretrained`` integration
-``saving``    ``save_pretrained`` reverse             ``hooks``     the only wrappers of Transformers functions
-``manual``    :func:`load_converted_state_dict`       ``offline``   :func:`convert_checkpoint`
-``io``        lazy safetensors checkpoint access         ``state``     per-model conversion state
-``report``    :func:`conversion_report`               ``reference`` shapes used to split fused tensors exactly
+``errors``    :class:`ConversionError`, :class:`ConversionShapeError`
+``ops``       operations with exact inverses (``Concatenate``, ``Chunk``, ``MergeModulelist``, ...)
+``rules``     rules with module-path-boundary matching; Transformers' rule classes rebuilt as ours
+``overlap``   which rules touch the same parameters; keys already in a rule's target layout
+``registry``  global and scoped rule registry (:func:`apply_conversion_rules`)
+``compose``   per-model resolution, composition with Transformers' built-in rules
+``pages``     giving the pages of converted memory-mapped sources back to the kernel
+``plan``      grouping keys by rule, meta dry run, lazy conversion (:class:`ConversionRow`)
+``reference`` shapes used to split fused tensors back exactly
+``state``     per-model conversion state, kept on the model instance
+``io``        lazy safetensors checkpoint access
+``loading``   the ``from_pretrained`` path             ``saving``    the ``save_pretrained`` reverse
+``unloaded``  replacement parameters the checkpoint did not provide
+``report``    :func:`conversion_report`
+``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
+``hooks``     the only wrappers of Transformers functions (installed by :mod:`modelpatch.integrations`)
 """
 
 from .plan import ConversionRow

@@ -3,16 +3,15 @@ sub-model's prefix, like Transformers' ``get_model_conversion_mapping``) and the
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
 
 from . import registry
-from .rules import pattern_regex
+from .overlap import drop_replaced_builtins, has_target_layout, overlaps
 
 __all__ = ["ResolvedRules", "resolve_model_rules", "compose_builtins", "drop_replaced_builtins", "rules_fitting_model",
-           "has_target_layout"]
+           "has_target_layout", "overlaps"]
 
 
 @dataclass
@@ -72,13 +71,6 @@ def resolve_model_rules(model) -> ResolvedRules | None:
     return resolved if resolved.entries else None
 
 
-def has_target_layout(rule, names) -> bool:
-    """Whether any of ``names`` (state-dict or checkpoint keys) is named like a target pattern of ``rule``: the keys
-    are already in the layout the rule converts to."""
-    targets = _texts(rule)[len(rule._original_source_patterns):]
-    return any(_search(target, name) for target in targets for name in names)
-
-
 def _has_builtin_layout(sub, names) -> bool:
     """Whether the model has parameters named like the targets of a built-in Transformers converter of ``sub``."""
     from transformers import core_model_loading as _tcml
@@ -114,30 +106,6 @@ def rules_fitting_model(model, resolved: ResolvedRules | None, names=None) -> Re
         fitting.owner.update({id(r): ruleset.name for r in kept})
         fitting.entries.append((ruleset, scope, sub))
     return fitting if fitting.entries else None
-
-
-def _texts(rule) -> list[str]:
-    patterns = list(rule._original_source_patterns) + list(rule._original_target_patterns)
-    return [p.removeprefix("^").replace(r"\.", ".") for p in patterns]
-
-
-def _search(pattern: str, text: str) -> bool:
-    try:
-        return re.search(pattern_regex(pattern), text) is not None
-    except re.error:
-        return pattern == text
-
-
-def overlaps(rule_a, rule_b) -> bool:
-    """Whether two rules touch the same parameters: a pattern of one matches (on module-path boundaries) a pattern of
-    the other, sources and targets alike."""
-    texts_a, texts_b = _texts(rule_a), _texts(rule_b)
-    return any(_search(p, q) or _search(q, p) for p in texts_a for q in texts_b)
-
-
-def drop_replaced_builtins(builtins: list, user_rules: list) -> list:
-    """The built-in rules that no user rule replaces."""
-    return [b for b in builtins if not any(overlaps(b, u) for u in user_rules)]
 
 
 def _signature(rule) -> tuple:

@@ -19,6 +19,12 @@ import threading
 
 from transformers import modeling_utils as _mu
 
+from .compose import resolve_model_rules
+from .loading import convert_and_load
+from .registry import set_hooks_installed
+from .saving import revert_to_original_layout
+from .unloaded import check_replacements_loaded
+
 __all__ = ["install", "uninstall", "installed"]
 
 _lock = threading.Lock()
@@ -26,10 +32,6 @@ _originals: dict = {}
 
 
 def _load(model, state_dict, load_config, disk_offload_index=None):
-    from .compose import resolve_model_rules
-    from .loading import convert_and_load
-    from .unloaded import check_replacements_loaded
-
     original = _originals["convert_and_load_state_dict_in_model"]
     resolved = resolve_model_rules(model)
     if resolved is None:
@@ -41,8 +43,6 @@ def _load(model, state_dict, load_config, disk_offload_index=None):
 
 
 def _revert(model, state_dict):
-    from .saving import revert_to_original_layout
-
     return revert_to_original_layout(model, state_dict, _originals["revert_weight_conversion"])
 
 
@@ -62,6 +62,7 @@ def install() -> None:
                 continue
             _originals[name] = current
             setattr(_mu, name, wrapper)
+        set_hooks_installed(True)
 
 
 def uninstall() -> None:
@@ -70,6 +71,7 @@ def uninstall() -> None:
         for name, wrapper in _WRAPPERS.items():
             if getattr(_mu, name) is wrapper and name in _originals:
                 setattr(_mu, name, _originals.pop(name))
+        set_hooks_installed(False)
 
 
 def installed() -> bool:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from transformers import conversion_mapping as _tcm
 
-from ..errors import ModelpatchKeyError, ModelpatchTypeError, ModelpatchValueError
+from ..errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
 from ..patching.registry import on_clear
+from .overlap import drop_replaced_builtins
 from .rules import as_modelpatch_rule
 
 __all__ = [
@@ -52,6 +53,7 @@ class RuleSet:
 
 _lock = threading.RLock()
 _global: dict[str, RuleSet] = {}
+_cleared: set[str] = set()  # names removed by a clear, so a later unregister of them is a no-op
 _scoped: ContextVar[tuple[Mapping[str, RuleSet], ...]] = ContextVar("modelpatch_conversion_scopes", default=())
 
 
@@ -84,8 +86,7 @@ def register_checkpoint_conversion_mapping(
         TypeError: bad name or rule type (registry unchanged).
     """
     ruleset = _make_ruleset(model_type_or_class_name, mapping, overwrite, strict)
-    from . import hooks
-
+    require_hooks()
     with _lock:
         if model_type_or_class_name in _global and not overwrite:
             raise ModelpatchValueError(
@@ -93,24 +94,60 @@ def register_checkpoint_conversion_mapping(
                 "to replace it or unregister it first."
             )
         _global[model_type_or_class_name] = ruleset
-    hooks.install()
+        _cleared.discard(model_type_or_class_name)
 
 
-def unregister_checkpoint_conversion_mapping(model_type_or_class_name: str) -> None:
-    """Remove the user rules registered globally under a name; the built-in rules of that name apply again.
+_hooks_installed = False  # set by :mod:`.hooks`, which wraps Transformers' load/save functions
+
+
+def set_hooks_installed(installed: bool) -> None:
+    """Called by :func:`modelpatch.conversion.hooks.install` / ``uninstall`` (this module does not import them)."""
+    global _hooks_installed
+    _hooks_installed = installed
+
+
+def require_hooks() -> None:
+    """Raise unless the load/save wrappers are installed: rules registered without them would be ignored silently.
 
     Raises:
-        KeyError: nothing is registered under that name (registry unchanged).
+        ModelpatchRuntimeError: modelpatch's Transformers integration was uninstalled.
+    """
+    if not _hooks_installed:
+        raise ModelpatchRuntimeError(
+            "modelpatch's conversion hooks are not installed (modelpatch.integrations.transformers.uninstall() was "
+            "called): conversion rules would be ignored; call modelpatch.integrations.transformers.install() first"
+        )
+
+
+def unregister_checkpoint_conversion_mapping(model_type_or_class_name: str, *, missing_ok: bool = False) -> None:
+    """Remove the user rules registered globally under a name; the built-in rules of that name apply again.
+
+    A name that was registered and then removed by :func:`clear_checkpoint_conversion_mappings` or
+    :func:`~modelpatch.clear_patch_mapping` is already unregistered: unregistering it is a no-op, so clean-up code
+    (``try: register ... finally: unregister``) works whichever clean-up runs first.
+
+    Args:
+        missing_ok: also accept a name that was never registered.
+
+    Raises:
+        KeyError: nothing was ever registered under that name and ``missing_ok`` is false (registry unchanged).
     """
     with _lock:
         if model_type_or_class_name not in _global:
-            raise ModelpatchKeyError(f"No conversion mapping registered for '{model_type_or_class_name}'")
+            if missing_ok or model_type_or_class_name in _cleared:
+                _cleared.discard(model_type_or_class_name)
+                return
+            raise ModelpatchKeyError(
+                f"No conversion mapping registered for '{model_type_or_class_name}'; registered: {sorted(_global)}"
+            )
         del _global[model_type_or_class_name]
 
 
 def clear_checkpoint_conversion_mappings() -> None:
-    """Remove every globally registered user rule (scoped blocks clean up themselves)."""
+    """Remove every globally registered user rule (scoped blocks clean up themselves). A later
+    :func:`unregister_checkpoint_conversion_mapping` of a name removed here is a no-op."""
     with _lock:
+        _cleared.update(_global)
         _global.clear()
 
 
@@ -124,8 +161,6 @@ def lookup(name: str | None) -> RuleSet | None:
     the combined sets asks for it."""
     if not name:
         return None
-    from .compose import drop_replaced_builtins
-
     sets = [scope[name] for scope in reversed(_scoped.get()) if name in scope]
     with _lock:
         if name in _global:
@@ -153,8 +188,6 @@ def builtin_rules(name: str | None) -> list | None:
 def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list | None:
     """The effective rules for a name: the user's rules followed by the built-in rules they do not replace
     (only the user's with ``overwrite=True``), or the built-ins alone, or ``None``. Returns fresh copies."""
-    from .compose import drop_replaced_builtins
-
     user = lookup(model_type_or_class_name)
     builtins = builtin_rules(model_type_or_class_name)
     if user is None:
@@ -188,9 +221,7 @@ def apply_conversion_rules(
         ValueError: ``overwrite`` names a name that is not in ``mapping``.
     """
     scope = scoped_rulesets(mapping, overwrite=overwrite, strict=strict)
-    from . import hooks
-
-    hooks.install()
+    require_hooks()
     token = _scoped.set(_scoped.get() + (scope,))
     try:
         yield

@@ -27,8 +27,5 @@ def get_state(model) -> ConversionState | None:
 
 
 def set_state(model, state: ConversionState) -> None:
-    """Attach ``state`` to ``model`` and make sure ``save_pretrained`` will reverse it (see :mod:`.hooks`)."""
-    from . import hooks
-
+    """Attach ``state`` to ``model``; ``save_pretrained`` reverses it through :mod:`.hooks` (installed on import)."""
     object.__setattr__(model, STATE_ATTR, state)
-    hooks.install()

@@ -6,7 +6,7 @@ Modules, bottom to top (each imports only those above it in this list, and nothi
 ``registry``      validated patch mappings, key resolution, the process-wide registry
 ``catalog``       which classes may be replaced (``nn.Module`` classes of Transformers' modeling modules)
 ``interception``  the reference-counted ``__init__`` hook through which an original builds its replacement
-``records``       what modelpatch remembers on the instances it builds (provenance, build record)
+``provenance``    what modelpatch remembers on the instances it builds (provenance, build record)
 ``conflicts``     container/inner conflicts (a pattern replacing ``BertAttention`` and ``BertSelfAttention``)
 ``scopes``        :class:`PatchScope`: one activation of a mapping, per thread / asyncio task
 ``report``        :func:`patch_report`, read from the model itself

@@ -153,6 +153,7 @@ class _Registry:
         self._lock = threading.Lock()
         self._rules: dict[str, PatchRule] = {}
         self._snapshot: PatchMapping = EMPTY_MAPPING
+        self._cleared: set[str] = set()  # keys removed by clear(): unregistering them later is a no-op
         self.strict = False
 
     def snapshot(self) -> PatchMapping:
@@ -175,20 +176,23 @@ class _Registry:
             rules = dict(self._rules)
             for rule in new.rules:
                 rules[rule.key] = rule
+                self._cleared.discard(rule.key)
             self._publish(rules)
 
-    def unregister(self, keys: Iterable[str]) -> None:
+    def unregister(self, keys: Iterable[str], missing_ok: bool = False) -> None:
         keys = [keys] if isinstance(keys, str) else list(keys)
         with self._lock:
-            unknown = [k for k in keys if k not in self._rules]
+            unknown = [k for k in keys if k not in self._rules and not missing_ok and k not in self._cleared]
             if unknown:
                 raise ModelpatchValueError(
                     f"Patch mapping key(s) {unknown} are not registered; registered keys: {list(self._rules)}"
                 )
+            self._cleared.difference_update(keys)
             self._publish({k: r for k, r in self._rules.items() if k not in set(keys)})
 
     def clear(self) -> None:
         with self._lock:
+            self._cleared.update(self._rules)
             self._publish({})
 
 
@@ -214,13 +218,20 @@ def register_patch_mapping(mapping: Mapping[str, type], overwrite: bool = False)
     _REGISTRY.register(mapping, overwrite)
 
 
-def unregister_patch_mapping(keys: Iterable[str]) -> None:
+def unregister_patch_mapping(keys: Iterable[str], *, missing_ok: bool = False) -> None:
     """Remove exactly ``keys`` (as written at registration) from the registry.
 
+    Keys that were registered and then removed by :func:`clear_patch_mapping` are already unregistered: naming them
+    is a no-op, so clean-up code works whichever clean-up runs first.
+
+    Args:
+        keys: one key or an iterable of keys.
+        missing_ok: also accept keys that were never registered.
+
     Raises:
-        ValueError: a key is not registered; nothing is removed then.
+        ValueError: a key was never registered and ``missing_ok`` is false; nothing is removed then.
     """
-    _REGISTRY.unregister(keys)
+    _REGISTRY.unregister(keys, missing_ok)
 
 
 def clear_patch_mapping() -> None:

@@ -7,7 +7,7 @@
 
 ``list_recipes()`` names them all; ``recipe_a + recipe_b`` applies both (the founding document's full example is
 ``get_recipe("qwen2_moe-full-example")``: fused QKV attention + per-expert linear experts + a ``Concatenate`` rule,
-built-in expert fusion dropped).
+built-in expert fusion dropped). :mod:`.base` defines :class:`Recipe` and :class:`RuleSpec`; the recipes:
 
 =========================  ===========================================================================
 ``<type>-fused-qkv``       llama, mistral, qwen2, qwen2_moe, qwen3 (:mod:`.attention`); bert (:mod:`.bert`)

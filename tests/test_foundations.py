@@ -1,0 +1,230 @@
+"""The shared mechanisms under every feature: the undo stack, the error base class, the installer, clean-up in
+either order, and one code path for ``apply_patches(conversion_rules=..., overwrite=...)`` and ``Recipe.apply``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel, Qwen2MoeForCausalLM
+from transformers import modeling_utils as _mu
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.utils import output_capturing as _capturing
+
+import modelpatch
+from modelpatch import (
+    Concatenate,
+    ModelpatchError,
+    WeightConverter,
+    apply_patches,
+    clear_patch_mapping,
+    get_checkpoint_conversion_mapping,
+    get_patch_mapping,
+    register_checkpoint_conversion_mapping,
+    register_patch_mapping,
+    replacement_of,
+    unregister_checkpoint_conversion_mapping,
+    unregister_patch_mapping,
+)
+from modelpatch.integrations import transformers as integration
+from modelpatch.recipes import get_recipe
+from modelpatch.undo import ABSENT, UndoStack
+
+from helpers import INPUT_IDS, save_tiny, tiny_llama_config, tiny_qwen2_moe_config
+
+FusedQKVAttention = get_recipe("llama-fused-qkv").patch_mapping["LlamaAttention"]
+QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+
+
+# -- UndoStack ------------------------------------------------------------------------------------------------
+
+
+def test_undo_restores_in_reverse_order_and_deletes_what_was_absent():
+    module = nn.Linear(2, 2)
+    weight, forward = module.weight, module.forward
+    table = {"a": 1}
+    undo = UndoStack()
+    undo.setattr(module, "forward", lambda x: x)  # inherited method: undo must delete, not copy the bound method
+    undo.setattr(module, "weight", nn.Parameter(torch.zeros(2, 2)))
+    undo.setattr(module, "weight", nn.Parameter(torch.ones(2, 2)))
+    undo.setitem(table, "a", 2)
+    undo.setitem(table, "b", 3)
+    undo.delitem(table, "a")
+    assert len(undo) == 6
+    undo.undo()
+    assert "forward" not in vars(module) and module.forward.__func__ is forward.__func__
+    assert module.weight is weight
+    assert table == {"a": 1}
+    assert len(undo) == 0
+
+
+def test_undo_raw_class_attributes_and_on_exception():
+    class Target:
+        def __init__(self):
+            self.x = 1
+
+    own_init = vars(Target)["__init__"]
+    with pytest.raises(KeyError):
+        with UndoStack() as undo:
+            undo.setattr(Target, "__init__", lambda self: None, raw=True)
+            undo.setattr(Target, "added", 5, raw=True)
+            raise KeyError("boom")
+    assert vars(Target)["__init__"] is own_init and "added" not in vars(Target)
+
+
+def test_undo_keeps_going_when_one_restore_fails_and_raises_the_first_error():
+    class Frozen:
+        locked = False
+
+        def __setattr__(self, name, value):
+            if Frozen.locked:
+                raise AttributeError("frozen")
+            object.__setattr__(self, name, value)
+
+        def __delattr__(self, name):
+            if Frozen.locked:
+                raise AttributeError("frozen")
+            object.__delattr__(self, name)
+
+    obj = Frozen()
+    table = {}
+    undo = UndoStack()
+    undo.setitem(table, "k", 1)
+    undo.setattr(obj, "y", 2)
+    Frozen.locked = True
+    with pytest.raises(AttributeError, match="frozen"):
+        undo.undo()
+    assert table == {}  # restored although the attribute restore raised first
+    assert repr(ABSENT) == "ABSENT"
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+
+
+def test_every_error_has_the_modelpatch_base_and_keeps_its_builtin_base():
+    with pytest.raises(ModelpatchError) as caught:
+        register_patch_mapping({"[": LlamaAttention})
+    assert isinstance(caught.value, ValueError)
+    with pytest.raises(ModelpatchError) as caught:
+        register_patch_mapping({"LlamaAttention": object})
+    assert isinstance(caught.value, TypeError)
+    with pytest.raises(ModelpatchError) as caught:
+        unregister_checkpoint_conversion_mapping("never_registered")
+    assert isinstance(caught.value, KeyError) and "never_registered" in str(caught.value)
+    for name in ("UnmatchedPatchKeyError", "ConversionError", "ConversionShapeError"):
+        assert issubclass(getattr(modelpatch, name), ModelpatchError)
+    from modelpatch.routing import RoutingReplayError, RoutingTraceError
+
+    assert issubclass(RoutingTraceError, ModelpatchError) and issubclass(RoutingTraceError, ValueError)
+    assert issubclass(RoutingReplayError, ModelpatchError) and issubclass(RoutingReplayError, RuntimeError)
+
+
+# -- clean-up in either order (defect 10) ---------------------------------------------------------------------
+
+
+def test_unregister_after_clear_is_a_no_op_for_both_registries():
+    register_patch_mapping({"LlamaAttention": FusedQKVAttention})
+    register_checkpoint_conversion_mapping("llama", [QKV])
+    try:
+        clear_patch_mapping()  # clears user conversion rules too
+    finally:
+        unregister_checkpoint_conversion_mapping("llama")  # raised KeyError before
+        unregister_patch_mapping(["LlamaAttention"])
+    assert get_patch_mapping() == {}
+    assert get_checkpoint_conversion_mapping("llama") is None
+    # never registered: still an error, unless missing_ok
+    with pytest.raises(KeyError):
+        unregister_checkpoint_conversion_mapping("llama")
+    with pytest.raises(ValueError):
+        unregister_patch_mapping(["LlamaAttention"])
+    unregister_checkpoint_conversion_mapping("llama", missing_ok=True)
+    unregister_patch_mapping(["LlamaAttention"], missing_ok=True)
+
+
+def test_recipe_unregister_after_clear_patch_mapping():
+    recipe = get_recipe("llama-fused-qkv")
+    recipe.register()
+    clear_patch_mapping()
+    recipe.unregister()  # raised KeyError before
+    assert get_patch_mapping() == {}
+
+
+# -- apply_patches(conversion_rules=..., overwrite=...) ---------------------------------------------------------
+
+
+def test_conversion_rules_as_a_list_is_a_type_error_naming_the_form():
+    with pytest.raises(TypeError, match=r"conversion_rules=\{'llama': \[rule\]\}"):
+        apply_patches({"LlamaAttention": FusedQKVAttention}, conversion_rules=[QKV])
+
+
+def test_overwrite_names_must_have_rules():
+    with pytest.raises(ValueError, match="mixtral"):
+        apply_patches({"LlamaAttention": FusedQKVAttention}, conversion_rules={"llama": [QKV]}, overwrite=["mixtral"])
+    with pytest.raises(ValueError, match="conversion_rules"):
+        apply_patches({"LlamaAttention": FusedQKVAttention}, overwrite=True)
+
+
+def test_apply_patches_with_overwrite_loads_like_the_recipe(tmp_path):
+    """The full example recipe (per-expert experts, built-in expert fusion dropped with overwrite) and the same
+    mapping and rules given to apply_patches produce identical models: one code path."""
+    save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(), tmp_path)
+    recipe = get_recipe("qwen2_moe-full-example")
+    with recipe.apply(strict=True):
+        by_recipe = AutoModelForCausalLM.from_pretrained(tmp_path)
+    overwritten = [name for name, spec in recipe.conversion.items() if spec.overwrite]
+    assert overwritten == ["qwen2_moe"]
+    with apply_patches(dict(recipe.patch_mapping), strict=True, conversion_rules=recipe.build_conversion_rules(),
+                       overwrite=overwritten):
+        by_block = AutoModelForCausalLM.from_pretrained(tmp_path)
+    a, b = by_recipe.state_dict(), by_block.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert any("experts.0." in k for k in a)  # per-expert layout, so overwrite really took effect
+
+
+# -- PatchScope.start / stop, replacement_of ---------------------------------------------------------------------
+
+
+def test_scope_start_stop_and_replacement_of():
+    config = tiny_llama_config()
+    scope = apply_patches({"LlamaAttention": FusedQKVAttention})
+    scope.start()
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        scope.stop()
+    assert type(LlamaForCausalLM(config).model.layers[0].self_attn) is LlamaAttention
+    found = replacement_of(model.model.layers[0].self_attn)
+    assert (found.original, found.replacement, found.key) == (LlamaAttention, FusedQKVAttention, "LlamaAttention")
+    assert replacement_of(model.model.layers[0].mlp) is None
+    assert scope.fired == {"LlamaAttention": 2}
+    with pytest.raises(RuntimeError):
+        scope.stop()
+
+
+# -- the Transformers installer ------------------------------------------------------------------------------------
+
+
+def test_uninstall_restores_transformers_exactly_and_install_puts_it_back(tmp_path):
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    wrapped = {name: vars(PreTrainedModel)[name] for name in ("from_pretrained", "_from_config", "__init__", "post_init")}
+    integration.uninstall()
+    try:
+        assert not integration.installed()
+        originals = {name: vars(PreTrainedModel)[name] for name in wrapped}
+        assert all(originals[n] is not wrapped[n] for n in wrapped)
+        assert type(_capturing._CAN_RECORD_REGISTRY) is _capturing._CanRecordRegistry
+        assert "modelpatch" not in _mu.convert_and_load_state_dict_in_model.__module__
+        register_patch_mapping({"LlamaAttention": FusedQKVAttention})
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path)  # nothing applies the registry now
+        assert type(plain.model.layers[0].self_attn) is LlamaAttention
+        with pytest.raises(RuntimeError, match="install"):  # rules would be ignored: refuse, do not drop them
+            register_checkpoint_conversion_mapping("llama", [QKV])
+    finally:
+        integration.install()
+    assert integration.installed()
+    assert all(vars(PreTrainedModel)[n] is not originals[n] for n in wrapped)
+    with apply_patches({"LlamaAttention": FusedQKVAttention}, conversion_rules={"llama": [QKV]}):
+        fused = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(fused.model.layers[0].self_attn) is FusedQKVAttention
+    with torch.no_grad():
+        assert (fused(INPUT_IDS).logits - plain(INPUT_IDS).logits).abs().max() < 1e-5
