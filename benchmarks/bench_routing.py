@@ -13,7 +13,7 @@ Compares, per forward (eval, no_grad), the median time of
 Rounds are interleaved so that machine noise hits every variant alike. Prints ratios to the plain forward, of
 wall-clock medians and of process-CPU-time medians (``time.process_time``; with ``--threads 1`` this is the
 compute itself and much less sensitive to other processes sharing the machine).
-Targets (issue 4): record <= 1.03x, replay <= 1.05x.
+Targets: record <= 1.03x, replay <= 1.05x of a plain forward.
 
     python benchmarks/bench_routing.py [--tokens 512] [--rounds 15] [--threads N]
 """
