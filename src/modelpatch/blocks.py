@@ -9,7 +9,8 @@ of a block are a *companion* of its patch scope, entered and exited with it. ``R
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
 
 from .errors import ModelpatchValueError
 from .conversion.registry import apply_conversion_rules as _conversion_rules
@@ -56,7 +57,7 @@ def apply_patches(
     of order) nothing remains to undo. Modules built inside the block keep their replacements.
     """
     resolved = registered_patch_mapping() if mapping is None else build_patch_mapping(mapping)
-    companions = ()
+    companions: tuple[Callable[[], AbstractContextManager], ...] = ()
     if conversion_rules is not None:
         scoped_rulesets(conversion_rules, overwrite=overwrite, strict=strict)  # validate now, not at entry
         if conversion_rules:

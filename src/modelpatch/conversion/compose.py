@@ -47,10 +47,12 @@ def resolve_model_rules(model) -> ResolvedRules | None:
     resolved = ResolvedRules()
     claimed: dict[str, list[str]] = {}
     for module_name, sub in _submodels(model):
-        class_name, model_type = type(sub).__name__, getattr(sub.config, "model_type", None)
+        class_name: str = type(sub).__name__
+        model_type: str | None = getattr(sub.config, "model_type", None)
         if any(
             seen == "" or module_name.startswith(seen + ".")
             for ident in (class_name, model_type)
+            if ident is not None
             for seen in claimed.get(ident, [])
         ):
             continue  # an ancestor's rules (class-name or model_type entry) already cover this subtree
@@ -58,7 +60,7 @@ def resolve_model_rules(model) -> ResolvedRules | None:
         if ruleset is None:
             continue
         # A class-name entry wins over the model_type entry for the whole subtree of that model.
-        for ident in {ruleset.name, model_type} - {None}:
+        for ident in [i for i in {ruleset.name, model_type} if i is not None]:
             claimed.setdefault(ident, []).append(module_name)
         scope = _scope_of(model, module_name)
         for rule in ruleset.fresh_rules():

@@ -143,7 +143,9 @@ def convert_checkpoint(
         written = [i for i in range(len(files)) if i in passthrough_by_file or i in groups_by_file]  # no empty shard
         n = len(written)
         show = progress if progress is not None else len(files) > 1
-        weight_map, produced, total_size = {}, {}, 0
+        weight_map: dict[str, str] = {}
+        produced: dict = {}
+        total_size = 0
         for number, index in enumerate(tqdm(written, desc="Converting shards", disable=not show), start=1):
             out_name = SAFE_WEIGHTS_NAME if n == 1 else f"model-{number:05d}-of-{n:05d}.safetensors"
             tensors = {name: load_tensor(obj) for name, obj in passthrough_by_file.get(index, [])}
@@ -159,8 +161,8 @@ def convert_checkpoint(
             del tensors
     if n > 1:
         with open(os.path.join(dst, SAFE_WEIGHTS_INDEX_NAME), "w") as fh:
-            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            json.dump(index, fh, indent=2)
+            index_json = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            json.dump(index_json, fh, indent=2)
     if os.path.isdir(src):
         for entry in os.listdir(src):
             path = os.path.join(src, entry)

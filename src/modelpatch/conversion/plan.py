@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import core_model_loading as _tcml
@@ -88,14 +89,14 @@ def load_tensor(obj) -> torch.Tensor:
 @dataclass
 class _Group:
     key: str
-    rule: object
+    rule: Any
     prefix: str
     suffix: str
     sources: dict = field(default_factory=lambda: defaultdict(list))
 
     def source_keys(self) -> tuple[str, ...]:
         """Checkpoint keys of the group, in the rule's source-pattern order."""
-        if self.sources is None:
+        if not self.sources:
             return ()
         order = [p for p in self.rule.source_patterns if p in self.sources]
         return tuple(k for p in order for k, _ in self.sources[p])
@@ -155,7 +156,7 @@ class _GroupRunner:
                 mapped = [t for (_, obj), t in zip(items, tensors) if self._release and is_safetensors_slice(obj)]
                 self._outputs = _run_group(self._group, collected, self._refs)
                 release_pages(mapped, self._outputs.values())  # read once: only the converted copy stays resident
-                self._group.sources = None  # release the source tensors
+                self._group.sources = {}  # release the source tensors
             return self._outputs.pop(name)
 
 
@@ -295,7 +296,10 @@ def build_plan(items, rules: list, reverse: bool = False, key_renamings=(), keep
     """
     renamings = [r for r in rules if not isinstance(r, _tcml.WeightConverter)]
     converters = [r for r in rules if isinstance(r, _tcml.WeightConverter)]
-    groups, passthrough, renamed, fired = {}, {}, [], set()
+    groups: dict = {}
+    passthrough: dict = {}
+    renamed: list = []
+    fired: set = set()
     for key, obj in items:
         new_key = _tcml.apply_renamings(key, key_renamings) if key_renamings else key
         user_renamed = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers.utils import logging
 
-from ..patching.provenance import provenance
+from ..patching.provenance import Replacement, provenance
 from .errors import ConversionError
 
 logger = logging.get_logger("modelpatch")
@@ -19,7 +19,7 @@ logger = logging.get_logger("modelpatch")
 __all__ = ["check_replacements_loaded"]
 
 
-def _replaced_module_paths(model) -> dict[str, object]:
+def _replaced_module_paths(model) -> dict[str, Replacement]:
     return {path: found for path, module in model.named_modules() if (found := provenance(module)) is not None}
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch.nn as nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -58,8 +58,8 @@ class AttentionFamily:
 
     model_type: str
     original: str
-    qkv_bias: Callable[[object], bool]
-    o_bias: Callable[[object], bool]
+    qkv_bias: Callable[[Any], bool]
+    o_bias: Callable[[Any], bool]
     qk_norm: str | None = None
     window: str = NO_WINDOW
 

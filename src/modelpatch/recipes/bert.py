@@ -51,7 +51,7 @@ class FusedQKVBertSelfAttention(nn.Module):
         query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in self.qkv(hidden_states).chunk(3, dim=-1))
         if past_key_values is not None:
             cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
-            key, value = cache.update(key, value, self.layer_idx)
+            key, value = cache.update(key, value, self.layer_idx)  # type: ignore[arg-type]  # set when a cache is used
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         output, weights = attention(
             self, query, key, value, attention_mask,
