@@ -10,10 +10,11 @@
 """
 
 from .engine_arrays import from_routed_experts, to_routed_experts
-from .kinds import FAMILY_KINDS, RouterContractError, kind_for_family
-from .session import RoutingReplayError, record_routing, replay_routing
-from .sites import RouterSite, RoutingDiscoveryError, find_router_sites
-from .trace import RoutingTrace, RoutingTraceError
+from .errors import RouterContractError, RoutingDiscoveryError, RoutingReplayError, RoutingTraceError
+from .kinds import FAMILY_KINDS, kind_for_family
+from .session import record_routing, replay_routing
+from .sites import RouterSite, find_router_sites
+from .trace import RoutingTrace
 
 __all__ = [
     "record_routing",

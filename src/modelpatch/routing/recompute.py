@@ -32,8 +32,8 @@ from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
-from ..errors import ModelpatchError
 
+from .errors import RoutingReplayError
 
 __all__ = [
     "RoutingReplayError",
@@ -52,10 +52,6 @@ _BOUND = "_modelpatch_routing_bound"
 
 def _noop(idx) -> None:
     return None
-
-
-class RoutingReplayError(ModelpatchError, RuntimeError):
-    """A replay block consumed more or fewer routes than its trace holds, or a forward does not fit it."""
 
 
 class _Active(NamedTuple):

@@ -7,16 +7,13 @@ import os
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from ..errors import ModelpatchError, ModelpatchKeyError
 
+from ..errors import ModelpatchKeyError
+from .errors import RoutingTraceError
 
 __all__ = ["RoutingTrace", "RoutingTraceError", "compact_dtype"]
 
 _FORMAT = "modelpatch.routing_trace/1"
-
-
-class RoutingTraceError(ModelpatchError, ValueError):
-    """A routing trace, or an engine array, does not fit the model or is malformed."""
 
 
 def compact_dtype(num_experts: int) -> torch.dtype:
