@@ -31,7 +31,7 @@ from .recompute import (
     unbound_checkpoint_on_stack,
 )
 from .sites import RouterSite, find_router_sites, stack_owner
-from .trace import RoutingTrace, RoutingTraceError, _Block, compact_dtype
+from .trace import RoutingTrace, RoutingTraceError
 
 __all__ = ["record_routing", "replay_routing", "RoutingReplayError"]
 
@@ -95,8 +95,8 @@ class _Session:
             layer = s.layer_idx
             if trace.top_k[layer] != s.top_k:
                 raise RoutingTraceError(f"layer {layer}: expected top_k {s.top_k}, trace has {trace.top_k[layer]}")
-            seqs = trace._rows(layer)
-            hi = trace._max_id(layer)
+            seqs = trace.layer_routes(layer, copy=False)
+            hi = trace.max_expert_id(layer)
             if hi >= s.num_experts:
                 raise RoutingTraceError(
                     f"layer {layer}: expected expert ids in [0, {s.num_experts}) or -1, received max id {hi}"
@@ -190,8 +190,7 @@ class _Session:
         if layout.continuation and self._last_seqs and len(self._last_seqs) == len(layout.slots):
             seqs = self._last_seqs
         else:
-            first = self.trace.num_sequences if self.trace._blocks else 0
-            first = max(first, max(self._last_seqs, default=-1) + 1)
+            first = max(self.trace.num_sequences, max(self._last_seqs, default=-1) + 1)
             seqs = list(range(first, first + len(layout.slots)))
         for slot, seq in zip(layout.slots, seqs):
             slot.seq = seq
@@ -208,13 +207,9 @@ class _Session:
             raise RoutingReplayError(
                 f"layer {site.layer_idx}: expected {layout.num_tokens} tokens at the router, received {idx.shape[0]}"
             )
-        dtype = compact_dtype(site.num_experts)
-        seqs = self.trace._blocks[site.layer_idx]
-        compact = idx.detach().to(dtype)
+        compact = idx.detach().to(self.trace.storage_dtype(site.layer_idx))
         for slot in layout.slots:
-            while len(seqs) <= slot.seq:
-                seqs.append([])
-            seqs[slot.seq].append(_Block(compact[slot.rows], None))
+            self.trace.append(site.layer_idx, slot.seq, compact[slot.rows], check=False)
 
     # -- hooks ------------------------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
@@ -386,7 +381,7 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
     finally:
         restore_generate()
         session.remove()
-    session.trace._check_lengths()
+    session.trace.check_lengths()
 
 
 # Options of ``generate`` whose forwards do not extend the recorded sequences one step at a time.

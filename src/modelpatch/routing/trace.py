@@ -155,20 +155,50 @@ class RoutingTrace:
         self._decoded: dict[int, list[torch.Tensor]] = {}
         for layer in layers:
             for seq, idx in enumerate(routes.get(layer, [])):
-                self._append(layer, seq, torch.as_tensor(idx), validate=True)
-        self._check_lengths()
+                self.append(layer, seq, torch.as_tensor(idx))
+        self.check_lengths()
 
-    # -- construction helpers -------------------------------------------------------------------------------
-    def _append(self, layer: int, seq: int, idx: torch.Tensor, validate: bool) -> None:
-        if validate:
-            idx = _check_rows(idx, layer, seq, self.num_experts[layer], self.top_k[layer])
+    # -- building -------------------------------------------------------------------------------------------
+    def append(self, layer_idx: int, sequence: int, ids: torch.Tensor, *, check: bool = True) -> None:
+        """Append the routes of ``ids.shape[0]`` more tokens to sequence ``sequence`` of layer ``layer_idx``.
+
+        The layer grows to ``sequence + 1`` sequences if it has fewer (the new ones empty). Layers may disagree
+        on lengths while a trace is being built: call :meth:`check_lengths` when done.
+
+        Args:
+            layer_idx: an MoE layer of the trace (one of :attr:`layers`).
+            sequence: index of the sequence the tokens continue.
+            ids: ``(num_tokens, top_k)`` expert ids of the tokens, in token order.
+            check: ``True`` validates ``ids`` as the constructor does (any integer dtype, ``-1`` rows allowed).
+                ``False`` is the recorder's path: ``ids`` is trusted to be an integer tensor of shape
+                ``(num_tokens, top_k)`` with every id in ``[0, num_experts)`` (no ``-1`` rows); it is kept as
+                given, on its device, converted to :meth:`storage_dtype` (no copy when it already has it, no
+                device synchronisation).
+
+        Raises:
+            ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
+            RoutingTraceError: with ``check=True``, as the constructor (shape, dtype, range, mixed or repeated ids).
+        """
+        if layer_idx not in self._blocks:
+            raise ModelpatchKeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
+        dtype = self.storage_dtype(layer_idx)
+        if check:
+            ids = _check_rows(ids, layer_idx, sequence, self.num_experts[layer_idx], self.top_k[layer_idx])
+            block = _Block.encode(ids, dtype)
+        else:
+            block = _Block(ids.to(dtype), None)
         self._decoded.clear()
-        seqs = self._blocks[layer]
-        while len(seqs) <= seq:
+        seqs = self._blocks[layer_idx]
+        while len(seqs) <= sequence:
             seqs.append([])
-        seqs[seq].append(_Block.encode(idx, compact_dtype(self.num_experts[layer])))
+        seqs[sequence].append(block)
 
-    def _check_lengths(self) -> None:
+    def check_lengths(self) -> None:
+        """Check that every layer holds the same number of sequences and, per sequence, the same number of tokens.
+
+        Raises:
+            RoutingTraceError: naming the first layer that disagrees with the first layer, and both lengths.
+        """
         ref = None
         for layer in self._blocks:
             lengths = self._lengths(layer)
@@ -207,13 +237,22 @@ class RoutingTrace:
         return self._lengths(self.layers[0]) if self._blocks else []
 
     def __getitem__(self, layer_idx: int) -> list[torch.Tensor]:
-        """``[LongTensor (num_tokens, top_k) per sequence]`` of decoder layer ``layer_idx``."""
+        """``[LongTensor (num_tokens, top_k) per sequence]`` of decoder layer ``layer_idx`` (copies)."""
+        return self.layer_routes(layer_idx)
+
+    def layer_routes(self, layer_idx: int, *, copy: bool = True) -> list[torch.Tensor]:
+        """The routes of one MoE layer: one int64 tensor ``(num_tokens, top_k)`` per sequence, on the CPU.
+
+        Args:
+            layer_idx: an MoE layer of the trace (one of :attr:`layers`).
+            copy: ``False`` returns the trace's decoded cache itself, without copying (what replay reads at
+                every router call): the tensors must not be modified, and are replaced when the trace changes.
+
+        Raises:
+            ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
+        """
         if layer_idx not in self._blocks:
             raise ModelpatchKeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
-        return [t.clone() for t in self._rows(layer_idx)]
-
-    def _rows(self, layer_idx: int) -> list[torch.Tensor]:
-        """Decoded int64 blocks of one layer, cached until the trace changes (callers must not modify them)."""
         rows = self._decoded.get(layer_idx)
         if rows is None or len(rows) != len(self._blocks[layer_idx]):
             self._consolidate()
@@ -221,12 +260,18 @@ class RoutingTrace:
                 (blocks[0].decode() if blocks else torch.empty(0, self.top_k[layer_idx], dtype=torch.int64))
                 for blocks in self._blocks[layer_idx]
             ]
-        return rows
+        return [t.clone() for t in rows] if copy else list(rows)
 
-    def _max_id(self, layer_idx: int) -> int:
+    def max_expert_id(self, layer_idx: int) -> int:
+        """The largest expert id of layer ``layer_idx`` over all sequences (``-1`` if no token has a route).
+
+        Raises:
+            ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
+        """
         key = ("max", layer_idx)
         if key not in self._decoded:
-            self._decoded[key] = max((int(t.max()) for t in self._rows(layer_idx) if t.numel()), default=-1)
+            rows = self.layer_routes(layer_idx, copy=False)
+            self._decoded[key] = max((int(t.max()) for t in rows if t.numel()), default=-1)
         return self._decoded[key]
 
     def __contains__(self, layer_idx: object) -> bool:
@@ -255,6 +300,7 @@ class RoutingTrace:
         return sum(b.nbytes for seqs in self._blocks.values() for blocks in seqs for b in blocks)
 
     def storage_dtype(self, layer_idx: int) -> torch.dtype:
+        """Dtype the ids of layer ``layer_idx`` are stored in (:func:`compact_dtype` of its number of experts)."""
         return compact_dtype(self.num_experts[layer_idx])
 
     def __eq__(self, other: object) -> bool:
@@ -396,5 +442,5 @@ class RoutingTrace:
                 ids = tensors[f"layers.{layer}.seq.{i}"]
                 free = tensors.get(f"layers.{layer}.seq.{i}.free")
                 trace._blocks[layer].append([_Block(ids, free.bool() if free is not None else None)])
-        trace._check_lengths()
+        trace.check_lengths()
         return trace
