@@ -9,12 +9,11 @@
   ``CompletionOutput.routed_experts``) and saves to safetensors.
 """
 
-from .engine_arrays import from_routed_experts, to_routed_experts
 from .errors import RouterContractError, RoutingDiscoveryError, RoutingReplayError, RoutingTraceError
 from .kinds import FAMILY_KINDS, kind_for_family
 from .session import record_routing, replay_routing
 from .sites import RouterSite, find_router_sites
-from .trace import RoutingTrace
+from .trace import RoutingTrace, from_routed_experts, to_routed_experts
 
 __all__ = [
     "record_routing",

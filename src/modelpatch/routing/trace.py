@@ -1,4 +1,8 @@
-"""`RoutingTrace`: the experts each token was routed to, per MoE layer and per sequence."""
+"""`RoutingTrace`: the experts each token was routed to, per MoE layer and per sequence.
+
+Also the module-level :func:`from_routed_experts` / :func:`to_routed_experts` (the trace's conversions from and
+to inference-engine arrays, whose array handling lives in :mod:`modelpatch.routing.engine_arrays`).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ import os
 from typing import Iterator, Mapping, Sequence
 
 import torch
+from torch import nn
 
 from ..errors import ModelpatchKeyError
+from .engine_arrays import engine_arrays_from_routes, routes_from_engine_arrays
 from .errors import RoutingTraceError
 
-__all__ = ["RoutingTrace", "RoutingTraceError", "compact_dtype"]
+__all__ = ["RoutingTrace", "RoutingTraceError", "compact_dtype", "from_routed_experts", "to_routed_experts"]
 
 _FORMAT = "modelpatch.routing_trace/1"
 
@@ -376,20 +382,89 @@ class RoutingTrace:
 
     # -- engine arrays ----------------------------------------------------------------------------------------
     @classmethod
-    def from_routed_experts(cls, routed_experts, model, **kwargs) -> "RoutingTrace":
-        """Build a trace from inference-engine arrays ``(seq_len, num_layers, top_k)``.
+    def from_routed_experts(
+        cls,
+        routed_experts,
+        model: nn.Module,
+        *,
+        attention_mask=None,
+        seq_lens: Sequence[int] | None = None,
+        layer_axis: str = "auto",
+    ) -> "RoutingTrace":
+        """Build a trace from inference-engine arrays.
 
-        See :func:`modelpatch.routing.engine.from_routed_experts` for the arguments; this is the same call.
+        Args:
+            routed_experts: one array ``(seq_len, num_layers, top_k)`` (a single sequence), a list of such
+                arrays (variable lengths), or a padded batch ``(batch, seq_len, num_layers, top_k)`` together
+                with ``attention_mask``. NumPy arrays or tensors of any integer dtype (uint8, uint16, int16,
+                int32, int64; ids >= 256 survive). ``-1`` means "no route".
+            model: the model the trace will be replayed on; its MoE layers, number of experts and top-k are
+                read from its routers.
+            attention_mask: ``(batch, seq_len)`` with 1 on real tokens, for a padded batch only.
+            seq_lens: total tokens per sequence as fed to the training forward. An array may hold ``seq_len`` or
+                ``seq_len - 1`` rows (engines never route the last sampled token); a missing last row becomes
+                ``-1`` (routed naturally on replay).
+            layer_axis: ``"all"`` (one slice per hidden layer; dense layers' slices are ignored, so vLLM's zeros
+                there are never read as expert 0), ``"moe"`` (one slice per MoE layer, in layer order) or
+                ``"auto"`` (detected from the axis length, which must then match one of the two).
+
+        Returns:
+            :class:`RoutingTrace` with ``num_hidden_layers`` set from the model; int64 routes
+            ``(num_tokens, top_k)`` per MoE layer and sequence.
+
+        Raises:
+            RoutingTraceError: wrong rank, ``attention_mask`` of the wrong shape, a layer axis matching neither
+                the model's hidden layers nor its MoE layers, a top-k axis different from the routers', an id
+                ``>= num_experts`` or ``< -1``, or a row count other than ``seq_len`` / ``seq_len - 1``.
+                Messages name the layer (and sequence), the expected and the received shape or range.
+            ModelpatchValueError: ``layer_axis`` not ``"auto"``, ``"all"`` or ``"moe"``.
+            RoutingDiscoveryError: ``model`` has no top-k router.
         """
-        from .engine_arrays import from_routed_experts
+        read = routes_from_engine_arrays(
+            routed_experts, model, attention_mask=attention_mask, seq_lens=seq_lens, layer_axis=layer_axis
+        )
+        return cls(
+            read.routes, num_experts=read.num_experts, top_k=read.top_k, num_hidden_layers=read.num_hidden_layers
+        )
 
-        return from_routed_experts(routed_experts, model, **kwargs)
+    def to_routed_experts(
+        self,
+        sequence: int | None = None,
+        *,
+        layer_axis: str = "all",
+        dense_fill: int = -1,
+        dtype: torch.dtype = torch.int32,
+    ):
+        """The trace in an inference engine's layout.
 
-    def to_routed_experts(self, sequence: int | None = None, **kwargs):
-        """Engine layout ``(seq_len, num_layers, top_k)``; see :func:`modelpatch.routing.engine.to_routed_experts`."""
-        from .engine_arrays import to_routed_experts
+        Args:
+            sequence: which sequence; ``None`` returns a list with every sequence.
+            layer_axis: ``"all"`` (``num_hidden_layers`` slices, dense layers filled with ``dense_fill``; needs
+                :attr:`num_hidden_layers`) or ``"moe"`` (MoE layers only, in layer order).
+            dense_fill: value written in the slices of dense layers (vLLM writes 0; -1 keeps them unambiguous).
+            dtype: integer dtype of the result (``torch.int32`` like vLLM's ``np.int32``).
 
-        return to_routed_experts(self, sequence, **kwargs)
+        Returns:
+            a tensor ``(seq_len, num_layers, top_k)`` of ``dtype`` (``-1`` for tokens without a route), or a list
+            of them.
+
+        Raises:
+            RoutingTraceError: ``layer_axis="all"`` without ``num_hidden_layers``, or layers with different top-k.
+            ModelpatchValueError: ``layer_axis`` not ``"all"`` or ``"moe"``.
+        """
+        ks = {self.top_k[layer] for layer in self.layers}
+        if len(ks) != 1:
+            raise RoutingTraceError(f"engine arrays need one top_k for all layers, trace has {sorted(ks)}")
+        out = engine_arrays_from_routes(
+            {layer: self.layer_routes(layer, copy=False) for layer in self.layers},
+            range(self.num_sequences) if sequence is None else [sequence],
+            top_k=ks.pop(),
+            num_hidden_layers=self.num_hidden_layers,
+            layer_axis=layer_axis,
+            dense_fill=dense_fill,
+            dtype=dtype,
+        )
+        return out[0] if sequence is not None else out
 
     # -- files ----------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
@@ -444,3 +519,13 @@ class RoutingTrace:
                 trace._blocks[layer].append([_Block(ids, free.bool() if free is not None else None)])
         trace.check_lengths()
         return trace
+
+
+def from_routed_experts(routed_experts, model: nn.Module, **kwargs) -> RoutingTrace:
+    """:meth:`RoutingTrace.from_routed_experts` as a function (same arguments, result and errors)."""
+    return RoutingTrace.from_routed_experts(routed_experts, model, **kwargs)
+
+
+def to_routed_experts(trace: RoutingTrace, sequence: int | None = None, **kwargs):
+    """:meth:`RoutingTrace.to_routed_experts` of ``trace`` as a function (same arguments, result and errors)."""
+    return trace.to_routed_experts(sequence, **kwargs)
