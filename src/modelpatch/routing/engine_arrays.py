@@ -10,9 +10,16 @@ trace's :meth:`~modelpatch.routing.trace.RoutingTrace.from_routed_experts` and
 :meth:`~modelpatch.routing.trace.RoutingTrace.to_routed_experts` call :func:`routes_from_engine_arrays` and
 :func:`engine_arrays_from_routes`.
 
-Which inputs hold how many sequences (:func:`split_sequences`): an array ``(seq_len, num_layers, top_k)`` is
-one sequence, ``(batch, seq_len, num_layers, top_k)`` a batch (``attention_mask`` drops the padded
-positions), a list or tuple one array per sequence.
+Which inputs hold how many sequences (:func:`split_sequences`):
+
+- a tensor or NumPy array ``(seq_len, num_layers, top_k)`` is one sequence; ``(batch, seq_len, num_layers,
+  top_k)`` is a batch, one sequence per row (``attention_mask`` drops the padded positions);
+- a list or tuple of tensors / NumPy arrays holds one array ``(seq_len, num_layers, top_k)`` per sequence
+  (lengths may differ; no ``attention_mask``: the arrays are unpadded);
+- a nested Python list of integers is read as the array it spells, by its depth: three deep
+  (``arr.tolist()`` of one sequence, e.g. ``[[[1, 2]], [[0, 3]]]`` = 2 tokens, 1 layer, top-2) is ONE
+  sequence, four deep is a batch (or, when its sequences differ in length, one entry per sequence).
+  Anything else raises :class:`RoutingTraceError` naming the shape received and the forms accepted.
 """
 
 from __future__ import annotations
@@ -27,6 +34,12 @@ from .errors import RoutingTraceError
 from .sites import find_router_sites
 
 __all__ = ["EngineRoutes", "split_sequences", "routes_from_engine_arrays", "engine_arrays_from_routes"]
+
+_FORMS = (
+    "one sequence (seq_len, num_layers, top_k), a padded batch (batch, seq_len, num_layers, top_k), or a "
+    "list of per-sequence arrays (seq_len, num_layers, top_k)"
+)
+
 
 class EngineRoutes(NamedTuple):
     """What :func:`routes_from_engine_arrays` reads: the arguments of a ``RoutingTrace``.
@@ -44,13 +57,26 @@ class EngineRoutes(NamedTuple):
     num_hidden_layers: int
 
 
-def _as_int64(x, what: str) -> torch.Tensor:
+def _as_int64(x, what: str, *, ragged_ok: bool = False) -> torch.Tensor | None:
+    """``x`` as an int64 CPU tensor; ``None`` for a ragged nested list when ``ragged_ok``."""
     if isinstance(x, torch.Tensor):
         t = x.detach().cpu()
     else:
         import numpy as np
 
-        a = np.asarray(x)
+        try:
+            a = np.asarray(x)
+            ragged = a.dtype.kind == "O" and isinstance(x, (list, tuple))  # NumPy < 1.24 builds object arrays
+            reason = "object array"
+        except ValueError as exc:
+            ragged, reason = True, str(exc)
+        if ragged:
+            if ragged_ok:
+                return None
+            raise RoutingTraceError(
+                f"{what}: a nested list must be rectangular, received rows of different lengths ({reason}); "
+                f"expected {_FORMS}"
+            )
         if a.dtype.kind not in "iu":
             raise RoutingTraceError(f"{what}: expected an integer array, received dtype {a.dtype}")
         t = torch.from_numpy(a.astype(np.int64, copy=True))
@@ -59,39 +85,81 @@ def _as_int64(x, what: str) -> torch.Tensor:
     return t.to(torch.int64)
 
 
+def _is_array(x) -> bool:
+    """A tensor or an array with at least one dimension (NumPy, or anything with ``__array__``)."""
+    return isinstance(x, torch.Tensor) or (hasattr(x, "__array__") and getattr(x, "ndim", 0) >= 1)
+
+
+def _list_depth(x) -> int:
+    """Nesting depth of a Python list/tuple, following its first entries (a scalar or empty list ends it)."""
+    depth = 0
+    while isinstance(x, (list, tuple)):
+        depth += 1
+        if not x:
+            break
+        x = x[0]
+    return depth
+
+
+def _check_sequence(a: torch.Tensor, i: int) -> torch.Tensor:
+    if a.dim() != 3:
+        hint = (
+            "; a list is read as one array per sequence: for a single sequence pass one array "
+            "(e.g. np.stack of the per-token rows)"
+            if a.dim() == 2
+            else ""
+        )
+        raise RoutingTraceError(
+            f"sequence {i}: expected shape (seq_len, num_layers, top_k), received {tuple(a.shape)}{hint}"
+        )
+    return a
+
+
 def split_sequences(routed_experts, attention_mask=None) -> list[torch.Tensor]:
     """The sequences held by ``routed_experts`` (see the module docstring for which input holds how many).
+
+    Args:
+        routed_experts: a tensor / NumPy array ``(seq_len, num_layers, top_k)`` or ``(batch, seq_len,
+            num_layers, top_k)``, a list of per-sequence arrays, or a nested Python list of integers.
+        attention_mask: ``(batch, seq_len)``, 1 on real tokens; only with a batch (4-D) input.
 
     Returns:
         one LongTensor ``(seq_len_i, num_layers, top_k)`` (int64, CPU) per sequence.
 
     Raises:
-        RoutingTraceError: a non-integer dtype, a rank other than 3 (per sequence) or an ``attention_mask``
-            whose shape is not ``(batch, seq_len)``.
+        RoutingTraceError: a non-integer dtype, a rank other than 3 or 4 (3 for each entry of a list of
+            arrays), a ragged nested list, an ``attention_mask`` whose shape is not ``(batch, seq_len)``, or an
+            ``attention_mask`` given with a list of per-sequence arrays.
     """
+    t: torch.Tensor | None = None
     if isinstance(routed_experts, (list, tuple)):
-        arrays = [_as_int64(a, f"sequence {i}") for i, a in enumerate(routed_experts)]
+        if not routed_experts:
+            return []  # no sequences
+        if not any(_is_array(a) for a in routed_experts):  # a nested Python list: the array it spells
+            # four deep but ragged: sequences of different lengths, one entry each (t stays None)
+            t = _as_int64(routed_experts, "routed_experts", ragged_ok=_list_depth(routed_experts) == 4)
     else:
         t = _as_int64(routed_experts, "routed_experts")
-        if t.dim() == 4:
-            if attention_mask is None:
-                arrays = list(t)
-            else:
-                mask = torch.as_tensor(attention_mask).bool().cpu()
-                if mask.shape != t.shape[:2]:
-                    raise RoutingTraceError(
-                        f"attention_mask: expected shape {tuple(t.shape[:2])} (batch, seq_len), received "
-                        f"{tuple(mask.shape)}"
-                    )
-                arrays = [t[b][mask[b]] for b in range(t.shape[0])]
-        else:
-            arrays = [t]
-    for i, a in enumerate(arrays):
-        if a.dim() != 3:
+    if t is None:  # one array per sequence
+        if attention_mask is not None:
             raise RoutingTraceError(
-                f"sequence {i}: expected shape (seq_len, num_layers, top_k), received {tuple(a.shape)}"
+                f"attention_mask: given with a list of {len(routed_experts)} per-sequence arrays, which are "
+                "unpadded; pass the padded batch as one array (batch, seq_len, num_layers, top_k) with its "
+                "attention_mask, or the list without attention_mask"
             )
-    return arrays
+        return [_check_sequence(_as_int64(a, f"sequence {i}"), i) for i, a in enumerate(routed_experts)]
+    if t.dim() == 3:
+        return [t]
+    if t.dim() != 4:
+        raise RoutingTraceError(f"routed_experts: expected {_FORMS}; received shape {tuple(t.shape)}")
+    if attention_mask is None:
+        return list(t)
+    mask = torch.as_tensor(attention_mask).bool().cpu()
+    if mask.shape != t.shape[:2]:
+        raise RoutingTraceError(
+            f"attention_mask: expected shape {tuple(t.shape[:2])} (batch, seq_len), received {tuple(mask.shape)}"
+        )
+    return [t[b][mask[b]] for b in range(t.shape[0])]
 
 
 def routes_from_engine_arrays(

@@ -394,10 +394,16 @@ class RoutingTrace:
         """Build a trace from inference-engine arrays.
 
         Args:
-            routed_experts: one array ``(seq_len, num_layers, top_k)`` (a single sequence), a list of such
-                arrays (variable lengths), or a padded batch ``(batch, seq_len, num_layers, top_k)`` together
-                with ``attention_mask``. NumPy arrays or tensors of any integer dtype (uint8, uint16, int16,
-                int32, int64; ids >= 256 survive). ``-1`` means "no route".
+            routed_experts: the engine's routes, any integer dtype (uint8, uint16, int16, int32, int64; ids
+                >= 256 survive), NumPy arrays, tensors or nested Python lists; ``-1`` means "no route":
+
+                - one array ``(seq_len, num_layers, top_k)``: one sequence;
+                - a padded batch ``(batch, seq_len, num_layers, top_k)``: one sequence per row, with
+                  ``attention_mask`` to drop the padding (left or right);
+                - a list of arrays ``(seq_len_i, num_layers, top_k)`` (lengths may differ): one sequence each;
+                - a nested Python list of ints reads as the array it spells: three deep (``arr.tolist()`` of
+                  one sequence, e.g. ``[[[1, 2]], [[0, 3]]]``: 2 tokens, 1 layer, top-2) is ONE sequence,
+                  four deep a batch (or, if its entries differ in length, one sequence per entry).
             model: the model the trace will be replayed on; its MoE layers, number of experts and top-k are
                 read from its routers.
             attention_mask: ``(batch, seq_len)`` with 1 on real tokens, for a padded batch only.
@@ -413,10 +419,12 @@ class RoutingTrace:
             ``(num_tokens, top_k)`` per MoE layer and sequence.
 
         Raises:
-            RoutingTraceError: wrong rank, ``attention_mask`` of the wrong shape, a layer axis matching neither
-                the model's hidden layers nor its MoE layers, a top-k axis different from the routers', an id
-                ``>= num_experts`` or ``< -1``, or a row count other than ``seq_len`` / ``seq_len - 1``.
-                Messages name the layer (and sequence), the expected and the received shape or range.
+            RoutingTraceError: a rank other than those above (the message names the shape received and the
+                forms accepted), a ragged nested list, ``attention_mask`` with a list of per-sequence arrays or
+                of the wrong shape, a layer axis matching neither the model's hidden layers nor its MoE layers,
+                a top-k axis different from the routers', an id ``>= num_experts`` or ``< -1``, or a row count
+                other than ``seq_len`` / ``seq_len - 1``. Messages name the layer (and sequence), the expected
+                and the received shape or range.
             ModelpatchValueError: ``layer_axis`` not ``"auto"``, ``"all"`` or ``"moe"``.
             RoutingDiscoveryError: ``model`` has no top-k router.
         """
