@@ -1,4 +1,4 @@
-"""Record and replay of Mixture-of-Experts routing for any Transformers model (SPEC section 4, issue 4).
+"""Record and replay of Mixture-of-Experts routing for any Transformers model.
 
 - :func:`record_routing` — context manager yielding a :class:`RoutingTrace` filled by forward passes and
   ``model.generate``.
@@ -7,13 +7,27 @@
 - :class:`RoutingTrace` — per MoE layer (keyed by decoder-layer index) a LongTensor ``(num_tokens, top_k)`` per
   sequence; converts to and from inference-engine arrays ``(seq_len, num_layers, top_k)`` (vLLM
   ``CompletionOutput.routed_experts``) and saves to safetensors.
+
+Modules, top-down: each imports only modules listed below it (none imports one above, not even inside a
+function).
+
+- ``session`` — the two context managers; the record session, the replay session and the generate guard over
+  their shared driver, which patches router instances for the length of a block through an ``UndoStack``.
+- ``trace`` — :class:`RoutingTrace`: compact storage, public reading/appending methods, safetensors files, and
+  the conversions from and to engine arrays.
+- ``engine_arrays`` — engine routed-experts arrays to per-layer routes and back, on plain tensors.
+- ``recompute`` — binds the indices of a checkpointed forward to its recomputation in backward.
+- ``layout`` — where each sequence's tokens sit in the flat token grid of one forward.
+- ``sites`` — discovery of a model's routers (:class:`RouterSite`: layer, experts, top-k, kind).
+- ``kinds`` — router math per kind (one ``torch.topk``, PhiMoE's sparsemixer) and the family table.
+- ``errors`` — the routing exceptions, all :class:`modelpatch.errors.ModelpatchError`.
 """
 
-from .engine_arrays import from_routed_experts, to_routed_experts
-from .kinds import FAMILY_KINDS, RouterContractError, kind_for_family
-from .session import RoutingReplayError, record_routing, replay_routing
-from .sites import RouterSite, RoutingDiscoveryError, find_router_sites
-from .trace import RoutingTrace, RoutingTraceError
+from .errors import RouterContractError, RoutingDiscoveryError, RoutingReplayError, RoutingTraceError
+from .kinds import FAMILY_KINDS, kind_for_family
+from .session import record_routing, replay_routing
+from .sites import RouterSite, find_router_sites
+from .trace import RoutingTrace, from_routed_experts, to_routed_experts
 
 __all__ = [
     "record_routing",

@@ -1,32 +1,82 @@
-"""Conversions between :class:`RoutingTrace` and inference-engine routed-experts arrays.
+"""Inference-engine routed-experts arrays: reading them into per-layer routes and writing routes back.
 
 Engines return, per sequence, an integer array ``(seq_len, num_layers, top_k)``: vLLM's
 ``CompletionOutput.routed_experts`` (``enable_return_routed_experts=True``) is ``np.int32`` over *all* hidden
 layers, with zeros in the slices of dense (non-MoE) layers; other engines use smaller dtypes or MoE-only layer
 axes. Engines never route the last sampled token, so an array may hold ``seq_len - 1`` rows.
+
+This module works on plain tensors and knows nothing of :class:`~modelpatch.routing.trace.RoutingTrace`: the
+trace's :meth:`~modelpatch.routing.trace.RoutingTrace.from_routed_experts` and
+:meth:`~modelpatch.routing.trace.RoutingTrace.to_routed_experts` call :func:`routes_from_engine_arrays` and
+:func:`engine_arrays_from_routes`.
+
+Which inputs hold how many sequences (:func:`split_sequences`):
+
+- a tensor or NumPy array ``(seq_len, num_layers, top_k)`` is one sequence; ``(batch, seq_len, num_layers,
+  top_k)`` is a batch, one sequence per row (``attention_mask`` drops the padded positions);
+- a list or tuple of tensors / NumPy arrays holds one array ``(seq_len, num_layers, top_k)`` per sequence
+  (lengths may differ; no ``attention_mask``: the arrays are unpadded);
+- a nested Python list of integers is read as the array it spells, by its depth: three deep
+  (``arr.tolist()`` of one sequence, e.g. ``[[[1, 2]], [[0, 3]]]`` = 2 tokens, 1 layer, top-2) is ONE
+  sequence, four deep is a batch (or, when its sequences differ in length, one entry per sequence).
+  Anything else raises :class:`RoutingTraceError` naming the shape received and the forms accepted.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import ModelpatchValueError
+from .errors import RoutingTraceError
 from .sites import find_router_sites
-from .trace import RoutingTrace, RoutingTraceError
 
-__all__ = ["from_routed_experts", "to_routed_experts"]
+__all__ = ["EngineRoutes", "split_sequences", "routes_from_engine_arrays", "engine_arrays_from_routes"]
+
+_FORMS = (
+    "one sequence (seq_len, num_layers, top_k), a padded batch (batch, seq_len, num_layers, top_k), or a "
+    "list of per-sequence arrays (seq_len, num_layers, top_k)"
+)
 
 
-def _as_int64(x, what: str) -> torch.Tensor:
+class EngineRoutes(NamedTuple):
+    """What :func:`routes_from_engine_arrays` reads: the arguments of a ``RoutingTrace``.
+
+    Attributes:
+        routes: ``{layer_idx: [LongTensor (num_tokens, top_k) per sequence]}`` for every MoE layer.
+        num_experts: ``{layer_idx: experts of that layer's router}``.
+        top_k: ``{layer_idx: top-k of that layer's router}``.
+        num_hidden_layers: the model's decoder layers, dense ones included.
+    """
+
+    routes: dict[int, list[torch.Tensor]]
+    num_experts: dict[int, int]
+    top_k: dict[int, int]
+    num_hidden_layers: int
+
+
+def _as_int64(x, what: str, *, ragged_ok: bool = False) -> torch.Tensor | None:
+    """``x`` as an int64 CPU tensor; ``None`` for a ragged nested list when ``ragged_ok``."""
     if isinstance(x, torch.Tensor):
         t = x.detach().cpu()
     else:
         import numpy as np
 
-        a = np.asarray(x)
+        try:
+            a = np.asarray(x)
+            ragged = a.dtype.kind == "O" and isinstance(x, (list, tuple))  # NumPy < 1.24 builds object arrays
+            reason = "object array"
+        except ValueError as exc:
+            ragged, reason = True, str(exc)
+        if ragged:
+            if ragged_ok:
+                return None
+            raise RoutingTraceError(
+                f"{what}: a nested list must be rectangular, received rows of different lengths ({reason}); "
+                f"expected {_FORMS}"
+            )
         if a.dtype.kind not in "iu":
             raise RoutingTraceError(f"{what}: expected an integer array, received dtype {a.dtype}")
         t = torch.from_numpy(a.astype(np.int64, copy=True))
@@ -35,69 +85,114 @@ def _as_int64(x, what: str) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def from_routed_experts(
+def _is_array(x) -> bool:
+    """A tensor or an array with at least one dimension (NumPy, or anything with ``__array__``)."""
+    return isinstance(x, torch.Tensor) or (hasattr(x, "__array__") and getattr(x, "ndim", 0) >= 1)
+
+
+def _list_depth(x) -> int:
+    """Nesting depth of a Python list/tuple, following its first entries (a scalar or empty list ends it)."""
+    depth = 0
+    while isinstance(x, (list, tuple)):
+        depth += 1
+        if not x:
+            break
+        x = x[0]
+    return depth
+
+
+def _check_sequence(a: torch.Tensor, i: int) -> torch.Tensor:
+    if a.dim() != 3:
+        hint = (
+            "; a list is read as one array per sequence: for a single sequence pass one array "
+            "(e.g. np.stack of the per-token rows)"
+            if a.dim() == 2
+            else ""
+        )
+        raise RoutingTraceError(
+            f"sequence {i}: expected shape (seq_len, num_layers, top_k), received {tuple(a.shape)}{hint}"
+        )
+    return a
+
+
+def split_sequences(routed_experts, attention_mask=None) -> list[torch.Tensor]:
+    """The sequences held by ``routed_experts`` (see the module docstring for which input holds how many).
+
+    Args:
+        routed_experts: a tensor / NumPy array ``(seq_len, num_layers, top_k)`` or ``(batch, seq_len,
+            num_layers, top_k)``, a list of per-sequence arrays, or a nested Python list of integers.
+        attention_mask: ``(batch, seq_len)``, 1 on real tokens; only with a batch (4-D) input.
+
+    Returns:
+        one LongTensor ``(seq_len_i, num_layers, top_k)`` (int64, CPU) per sequence.
+
+    Raises:
+        RoutingTraceError: a non-integer dtype, a rank other than 3 or 4 (3 for each entry of a list of
+            arrays), a ragged nested list, an ``attention_mask`` whose shape is not ``(batch, seq_len)``, or an
+            ``attention_mask`` given with a list of per-sequence arrays.
+    """
+    t: torch.Tensor | None = None
+    if isinstance(routed_experts, (list, tuple)):
+        if not routed_experts:
+            return []  # no sequences
+        if not any(_is_array(a) for a in routed_experts):  # a nested Python list: the array it spells
+            # four deep but ragged: sequences of different lengths, one entry each (t stays None)
+            t = _as_int64(routed_experts, "routed_experts", ragged_ok=_list_depth(routed_experts) == 4)
+    else:
+        t = _as_int64(routed_experts, "routed_experts")
+    if t is None:  # one array per sequence
+        if attention_mask is not None:
+            raise RoutingTraceError(
+                f"attention_mask: given with a list of {len(routed_experts)} per-sequence arrays, which are "
+                "unpadded; pass the padded batch as one array (batch, seq_len, num_layers, top_k) with its "
+                "attention_mask, or the list without attention_mask"
+            )
+        return [_check_sequence(_as_int64(a, f"sequence {i}"), i) for i, a in enumerate(routed_experts)]
+    if t.dim() == 3:
+        return [t]
+    if t.dim() != 4:
+        raise RoutingTraceError(f"routed_experts: expected {_FORMS}; received shape {tuple(t.shape)}")
+    if attention_mask is None:
+        return list(t)
+    mask = torch.as_tensor(attention_mask).bool().cpu()
+    if mask.shape != t.shape[:2]:
+        raise RoutingTraceError(
+            f"attention_mask: expected shape {tuple(t.shape[:2])} (batch, seq_len), received {tuple(mask.shape)}"
+        )
+    return [t[b][mask[b]] for b in range(t.shape[0])]
+
+
+def routes_from_engine_arrays(
     routed_experts,
     model: nn.Module,
     *,
     attention_mask=None,
     seq_lens: Sequence[int] | None = None,
     layer_axis: str = "auto",
-) -> RoutingTrace:
-    """Build a :class:`RoutingTrace` from inference-engine arrays.
+) -> EngineRoutes:
+    """Per-layer routes of inference-engine arrays, checked against ``model``'s routers.
 
-    Args:
-        routed_experts: one array ``(seq_len, num_layers, top_k)`` (a single sequence), a list of such arrays
-            (variable lengths), or a padded batch ``(batch, seq_len, num_layers, top_k)`` together with
-            ``attention_mask``. NumPy arrays or tensors of any integer dtype (uint8, uint16, int16, int32, int64;
-            ids >= 256 survive). ``-1`` means "no route".
-        model: the model the trace will be replayed on; its MoE layers, number of experts and top-k are read
-            from its routers.
-        attention_mask: ``(batch, seq_len)`` with 1 on real tokens, for a padded batch (left or right padding).
-        seq_lens: total tokens per sequence as fed to the training forward. An array may hold ``seq_len`` or
-            ``seq_len - 1`` rows (engines never route the last sampled token); a missing last row becomes ``-1``
-            (routed naturally on replay).
-        layer_axis: ``"all"`` (one slice per hidden layer; dense layers' slices are ignored, so vLLM's zeros
-            there are never read as expert 0), ``"moe"`` (one slice per MoE layer, in layer order) or
-            ``"auto"`` (detected from the axis length, which must then match one of the two).
+    Arguments as :meth:`modelpatch.routing.RoutingTrace.from_routed_experts`, which builds the trace from the
+    result. Ids are not range-checked here (the trace's constructor does that).
 
     Returns:
-        :class:`RoutingTrace` with ``num_hidden_layers`` set from the model.
+        :class:`EngineRoutes`: routes ``{layer_idx: [LongTensor (num_tokens, top_k) per sequence]}`` of every
+        MoE layer (a missing last row filled with ``-1`` when ``seq_lens`` asks for it), and the routers'
+        ``num_experts`` and ``top_k`` per layer, and the model's ``num_hidden_layers``.
 
     Raises:
-        RoutingTraceError: wrong rank, a layer axis matching neither the model's hidden layers nor its MoE
-            layers, a top-k axis different from the routers', an id ``>= num_experts`` or ``< -1``, or a row
-            count other than ``seq_len`` / ``seq_len - 1``. Messages name the layer (and sequence), the expected
-            and the received shape or range.
+        RoutingTraceError: see :func:`split_sequences`; a layer axis matching neither the model's hidden layers
+            nor its MoE layers, a top-k axis different from the routers', or a row count other than
+            ``seq_len`` / ``seq_len - 1``.
+        ModelpatchValueError: ``layer_axis`` not one of ``"auto"``, ``"all"``, ``"moe"``.
     """
     sites, _, num_hidden = find_router_sites(model)
     moe_layers = [s.layer_idx for s in sites]
-
-    if isinstance(routed_experts, (list, tuple)):
-        arrays = [_as_int64(a, f"sequence {i}") for i, a in enumerate(routed_experts)]
-    else:
-        t = _as_int64(routed_experts, "routed_experts")
-        if t.dim() == 4:
-            if attention_mask is None:
-                arrays = list(t)
-            else:
-                mask = torch.as_tensor(attention_mask).bool().cpu()
-                if mask.shape != t.shape[:2]:
-                    raise RoutingTraceError(
-                        f"attention_mask: expected shape {tuple(t.shape[:2])} (batch, seq_len), received "
-                        f"{tuple(mask.shape)}"
-                    )
-                arrays = [t[b][mask[b]] for b in range(t.shape[0])]
-        else:
-            arrays = [t]
-    for i, a in enumerate(arrays):
-        if a.dim() != 3:
-            raise RoutingTraceError(
-                f"sequence {i}: expected shape (seq_len, num_layers, top_k), received {tuple(a.shape)}"
-            )
-    n_axis = {a.shape[1] for a in arrays}
-    if len(n_axis) > 1:
-        raise RoutingTraceError(f"sequences disagree on the layer axis length: {sorted(n_axis)}")
-    n_axis = n_axis.pop() if n_axis else len(moe_layers)
+    arrays = split_sequences(routed_experts, attention_mask)
+    n_axes = {a.shape[1] for a in arrays}
+    if len(n_axes) > 1:
+        raise RoutingTraceError(f"sequences disagree on the layer axis length: {sorted(n_axes)}")
+    n_axis = n_axes.pop() if n_axes else len(moe_layers)
     if layer_axis == "auto":
         if n_axis == num_hidden:
             layer_axis = "all"
@@ -137,60 +232,60 @@ def from_routed_experts(
                     )
             per_seq.append(rows)
         routes[site.layer_idx] = per_seq
-    return RoutingTrace(
+    return EngineRoutes(
         routes,
-        num_experts={s.layer_idx: s.num_experts for s in sites},
-        top_k={s.layer_idx: s.top_k for s in sites},
-        num_hidden_layers=num_hidden,
+        {s.layer_idx: s.num_experts for s in sites},
+        {s.layer_idx: s.top_k for s in sites},
+        num_hidden,
     )
 
 
-def to_routed_experts(
-    trace: RoutingTrace,
-    sequence: int | None = None,
+def engine_arrays_from_routes(
+    routes: dict[int, Sequence[torch.Tensor]],
+    sequences: Sequence[int],
     *,
+    top_k: int,
+    num_hidden_layers: int | None,
     layer_axis: str = "all",
     dense_fill: int = -1,
     dtype: torch.dtype = torch.int32,
-):
-    """Engine layout of a trace.
+) -> list[torch.Tensor]:
+    """Engine arrays of the given sequences of per-layer routes.
 
     Args:
-        trace: the trace.
-        sequence: which sequence; ``None`` returns a list with every sequence.
-        layer_axis: ``"all"`` (``num_hidden_layers`` slices, dense layers filled with ``dense_fill``; needs
-            ``trace.num_hidden_layers``) or ``"moe"`` (MoE layers only, in layer order).
-        dense_fill: value written in the slices of dense layers (vLLM writes 0; -1 keeps them unambiguous).
-        dtype: integer dtype of the result (``torch.int32`` like vLLM's ``np.int32``).
+        routes: ``{layer_idx: [LongTensor (num_tokens, top_k) per sequence]}`` (at least one layer); per
+            sequence, every layer the same number of tokens. Only read.
+        sequences: indices of the sequences to convert, in output order.
+        top_k: experts per token, the same for every layer (the caller checks it).
+        num_hidden_layers: length of the layer axis for ``layer_axis="all"``.
+        layer_axis: ``"all"`` (one slice per hidden layer, dense layers filled with ``dense_fill``) or ``"moe"``
+            (MoE layers only, ascending).
+        dense_fill: value of the dense layers' slices.
+        dtype: integer dtype of the result.
 
     Returns:
-        a tensor ``(seq_len, num_layers, top_k)`` (``-1`` for tokens without a route), or a list of them.
+        one tensor ``(seq_len, num_layers, top_k)`` of ``dtype`` per requested sequence (``-1`` for tokens
+        without a route).
 
     Raises:
-        RoutingTraceError: ``layer_axis="all"`` without ``num_hidden_layers``, or layers with different top-k.
+        RoutingTraceError: ``layer_axis="all"`` without ``num_hidden_layers``.
+        ModelpatchValueError: ``layer_axis`` not ``"all"`` or ``"moe"``.
     """
-    layers = trace.layers
-    ks = {trace.top_k[layer] for layer in layers}
-    if len(ks) != 1:
-        raise RoutingTraceError(f"engine arrays need one top_k for all layers, trace has {sorted(ks)}")
-    k = ks.pop()
+    layers = sorted(routes)
     if layer_axis == "all":
-        if trace.num_hidden_layers is None:
+        if num_hidden_layers is None:
             raise RoutingTraceError("layer_axis='all' needs trace.num_hidden_layers (build the trace from a model)")
         cols = list(layers)
-        n_axis = trace.num_hidden_layers
+        n_axis = num_hidden_layers
     elif layer_axis == "moe":
         cols = list(range(len(layers)))
         n_axis = len(layers)
     else:
         raise ModelpatchValueError(f"layer_axis must be 'all' or 'moe', received {layer_axis!r}")
-    per_layer = {layer: trace[layer] for layer in layers}
-    seqs = range(trace.num_sequences) if sequence is None else [sequence]
     out = []
-    for i in seqs:
-        n = trace.sequence_lengths[i]
-        arr = torch.full((n, n_axis, k), dense_fill, dtype=torch.int64)
+    for i in sequences:
+        arr = torch.full((routes[layers[0]][i].shape[0], n_axis, top_k), dense_fill, dtype=torch.int64)
         for col, layer in zip(cols, layers):
-            arr[:, col, :] = per_layer[layer][i]
+            arr[:, col, :] = routes[layer][i]
         out.append(arr.to(dtype))
-    return out[0] if sequence is not None else out
+    return out

@@ -32,15 +32,12 @@ from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
-from ..errors import ModelpatchError
+
+from .errors import RouterContractError
 
 
 __all__ = ["RouterKind", "TopKSelection", "SparseMixerSelection", "TOPK", "SPARSEMIXER", "FAMILY_KINDS",
            "UNSUPPORTED_FAMILIES", "kind_for_family", "RouterContractError"]
-
-
-class RouterContractError(ModelpatchError, RuntimeError):
-    """A router did not behave as its kind expects (e.g. no, or several, routing top-k calls in one call)."""
 
 
 def _merge_forced(natural: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:

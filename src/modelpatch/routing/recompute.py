@@ -32,8 +32,9 @@ from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
-from ..errors import ModelpatchError
 
+from ..undo import UndoStack
+from .errors import RoutingReplayError
 
 __all__ = [
     "RoutingReplayError",
@@ -52,10 +53,6 @@ _BOUND = "_modelpatch_routing_bound"
 
 def _noop(idx) -> None:
     return None
-
-
-class RoutingReplayError(ModelpatchError, RuntimeError):
-    """A replay block consumed more or fewer routes than its trace holds, or a forward does not fit it."""
 
 
 class _Active(NamedTuple):
@@ -98,29 +95,26 @@ class RecomputeFrame:
     def run(self, *args, **kwargs):
         recompute = self.ran
         self.ran = True
-        installed = []
-        if recompute:
-            self.cursor.clear()
-            installed = self._drive_idle_routers()
-        token = _ACTIVE.set(_Active(self, recompute, _ACTIVE.get()))
+        undo = UndoStack()  # routers driven for the length of this recomputation only
         try:
-            return self.function(*args, **kwargs)
+            if recompute:
+                self.cursor.clear()
+                self._drive_idle_routers(undo)
+            token = _ACTIVE.set(_Active(self, recompute, _ACTIVE.get()))
+            try:
+                return self.function(*args, **kwargs)
+            finally:
+                _ACTIVE.reset(token)
         finally:
-            _ACTIVE.reset(token)
-            for router, had, prev in reversed(installed):
-                if had:
-                    router.__dict__["forward"] = prev
-                else:
-                    router.__dict__.pop("forward", None)
+            undo.undo()
 
-    def _drive_idle_routers(self) -> list:
+    def _drive_idle_routers(self, undo: UndoStack) -> None:
         """Routers of this frame that no block drives now (the block exited before the backward): give them,
-        for the length of the recomputation, an instance forward that replays the frame's routes."""
-        installed = []
+        for the length of the recomputation, an instance ``forward`` that replays the frame's routes (pushed on
+        ``undo``, which the caller undoes when the recomputation ends)."""
         for router, (site, routes) in self.routes.items():
             if router.__dict__.get(MARK) is not None or all(r is None for r in routes):
                 continue
-            had, prev = "forward" in router.__dict__, router.__dict__.get("forward")
             original = router.forward
 
             def forward(*args, _site=site, _orig=original, **kwargs):
@@ -132,9 +126,7 @@ class RecomputeFrame:
                     frame.add(_site, forced)
                 return _site.kind.call(_site, _orig, args, kwargs, forced, _noop)
 
-            installed.append((router, had, prev))
-            router.__dict__["forward"] = forward
-        return installed
+            undo.setattr(router, "forward", forward, raw=True)
 
 
 _RUN_CODE = RecomputeFrame.run.__code__

@@ -5,25 +5,38 @@ instance-level ``forward`` that delegates to its original one (through its route
 :mod:`modelpatch.routing.kinds`), the module owning the decoder layers gets a forward pre-hook and hook
 that read the batch layout, and the checkpoint functions of the routers' ancestors (Transformers'
 ``_gradient_checkpointing_func``, ``CheckpointWrapper.checkpoint_fn``) are wrapped per instance so that every
-checkpointed call carries its own routes to its recomputation (:mod:`modelpatch.routing.recompute`). On exit
-(also on exception) the instance attributes and hooks are removed, so the model is exactly as before and runs
-with zero overhead; a checkpoint recomputed after the exit still replays its routes.
+checkpointed call carries its own routes to its recomputation (:mod:`modelpatch.routing.recompute`). Every such
+change goes on the session's :class:`~modelpatch.undo.UndoStack`, undone on exit (also on exception), so the
+model is exactly as before and runs with zero overhead; a checkpoint recomputed after the exit still replays
+its routes.
+
+The classes behind the two context managers:
+
+- :class:`_SessionDriver` — what both share: router discovery, installing and undoing the per-instance
+  changes, the layout hooks, and the dispatch of each router call (checkpoint recomputation first).
+- :class:`RecordSession` — fills a new :class:`RoutingTrace` with the experts the live routers choose.
+- :class:`ReplaySession` — forces the experts of a given :class:`RoutingTrace`, in order, and checks that
+  all of them were consumed.
+- :class:`GenerateGuard` — while recording, refuses ``model.generate`` calls in decoding modes that cannot be
+  recorded and checks each decode step continues the KV cache.
 """
 
 from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import ModelpatchRuntimeError
+from ..undo import ABSENT, UndoStack
+from .errors import RoutingReplayError, RoutingTraceError
 from .layout import ForwardLayout, _signature_binder, layout_from_call
 from .recompute import MARK as _MARK
 from .recompute import (
-    RoutingReplayError,
+    RecomputeFrame,
     _noop,
     active_frames,
     bind_checkpoint_fn,
@@ -31,9 +44,16 @@ from .recompute import (
     unbound_checkpoint_on_stack,
 )
 from .sites import RouterSite, find_router_sites, stack_owner
-from .trace import RoutingTrace, RoutingTraceError, _Block, compact_dtype
+from .trace import RoutingTrace
 
-__all__ = ["record_routing", "replay_routing", "RoutingReplayError"]
+__all__ = [
+    "record_routing",
+    "replay_routing",
+    "RoutingReplayError",
+    "RecordSession",
+    "ReplaySession",
+    "GenerateGuard",
+]
 
 # Instance attributes holding a checkpoint function: Transformers' (GradientCheckpointingLayer, or the module
 # owning the layers in older remote code) and torch's CheckpointWrapper.
@@ -51,15 +71,26 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _Session:
-    def __init__(self, model: nn.Module, trace: RoutingTrace | None):
+class _SessionDriver:
+    """Drives the routers of one model instance while a record or replay block is open.
+
+    Subclasses say what a router call does (:meth:`_route`, :meth:`_route_unbound_recompute`) and which trace
+    sequences the tokens of a forward belong to (:meth:`_assign`). Used as a context manager: ``__enter__``
+    installs, ``__exit__`` undoes every change, also on exception.
+
+    Raises:
+        RoutingDiscoveryError: (on construction) the model has no top-k router.
+        ModelpatchRuntimeError: (on entry) a router is already driven by another block.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
         self.sites, stack_name, self.num_hidden_layers = find_router_sites(model)
         self.owner = stack_owner(model, stack_name)
-        self.replay = trace is not None
         self.layout: ForwardLayout | None = None
         self._sig = _signature_binder(self.owner)
-        self._installed: list[tuple[nn.Module, bool, object]] = []
-        self._handles = []
+        self._undo = UndoStack()  # every change to the model's modules, undone on exit
+        self._handles: list = []
         self._last_seqs: list[int] = []
         # modules that may carry a checkpoint function around a router: every ancestor of every router
         hosts: dict[int, nn.Module] = {}
@@ -69,22 +100,255 @@ class _Session:
                 m = model.get_submodule(".".join(parts[:i]))
                 hosts.setdefault(id(m), m)
         self._hosts = list(hosts.values())
-        self._bound: list[tuple[nn.Module, str, object, object]] = []
-        self.generating = False  # record: inside model.generate (set by its guard)
-        self._gen_end: int | None = None  # record, inside generate: grid length after the last forward
-        if self.replay:
-            self.trace = trace
-            self._prepare_replay(trace)
-        else:
-            self.trace = RoutingTrace(
-                {},
-                num_experts={s.layer_idx: s.num_experts for s in self.sites},
-                top_k={s.layer_idx: s.top_k for s in self.sites},
-                num_hidden_layers=self.num_hidden_layers,
-            )
+        self._bound_attrs: dict[tuple[int, str], tuple[nn.Module, str]] = {}
 
-    # -- replay bookkeeping -----------------------------------------------------------------------------------
-    def _prepare_replay(self, trace: RoutingTrace) -> None:
+    # -- what subclasses decide ---------------------------------------------------------------------------------
+    def _assign(self, layout: ForwardLayout) -> None:
+        """Give each slot of a forward's layout its trace sequence (``slot.seq``, and for replay its start)."""
+        raise NotImplementedError
+
+    def _route(self, site: RouterSite, forward: Callable, args, kwargs, originals: list[RecomputeFrame]):
+        """A router call of an ordinary forward (not a recomputation)."""
+        raise NotImplementedError
+
+    def _route_unbound_recompute(self, site: RouterSite, forward: Callable, args, kwargs, originals):
+        """A router call recomputed during backward by a checkpoint no frame is bound to."""
+        raise NotImplementedError
+
+    # -- hooks ------------------------------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        if _in_backward():
+            return None
+        self._bind_checkpoints()  # checkpointing may have been enabled inside the block
+        layout = layout_from_call(module, args, kwargs, self._sig)
+        self._assign(layout)
+        self.layout = layout
+        return None
+
+    def _post_forward(self, module, args, kwargs, output):
+        if not _in_backward():
+            self.layout = None
+        return None
+
+    def _router_call(self, site: RouterSite, forward: Callable, args, kwargs):
+        source, originals = active_frames()
+        if source is not None:  # a bound checkpoint recomputes: exactly the routes of its original forward
+            forced = source.take(site)
+            for frame in originals:
+                frame.add(site, forced)
+            return site.kind.call(site, forward, args, kwargs, forced, _noop)
+        if _in_backward():  # recomputed by a checkpoint no frame is bound to
+            return self._route_unbound_recompute(site, forward, args, kwargs, originals)
+        return self._route(site, forward, args, kwargs, originals)
+
+    def _bind_checkpoints(self) -> None:
+        """Wrap the checkpoint functions of the routers' ancestors so each checkpointed call keeps its routes
+        (see :mod:`modelpatch.routing.recompute`)."""
+        for host in self._hosts:
+            d = host.__dict__
+            for attr in _CHECKPOINT_ATTRS:
+                fn = d.get(attr)
+                if fn is None or not callable(fn) or is_bound(fn):
+                    continue
+                if attr == "checkpoint_fn" and "_checkpoint_wrapped_module" not in host._modules:
+                    continue
+                self._undo.setattr(host, attr, bind_checkpoint_fn(fn), raw=True)
+                self._bound_attrs.setdefault((id(host), attr), (host, attr))
+
+    def _checkpoint_fns_to_keep(self) -> list[tuple[nn.Module, str, object]]:
+        """The checkpoint functions as the user left them: where our wrapper is still in place, the function it
+        wraps; where the user replaced (or deleted) it inside the block, their value, which the undo must not
+        take back."""
+        keep = []
+        for host, attr in self._bound_attrs.values():
+            current = host.__dict__.get(attr, ABSENT)
+            keep.append((host, attr, current.__wrapped__ if is_bound(current) else current))
+        return keep
+
+    # -- install / remove -------------------------------------------------------------------------------------
+    def __enter__(self):
+        try:
+            for site in self.sites:
+                router = site.module
+                if getattr(router, _MARK, None) is not None:
+                    raise ModelpatchRuntimeError(
+                        f"layer {site.layer_idx}: router already driven by another record_routing/replay_routing "
+                        "block; these blocks do not nest on the same model"
+                    )
+                original = router.forward
+
+                def forward(*args, _site=site, _orig=original, **kwargs):
+                    return self._router_call(_site, _orig, args, kwargs)
+
+                self._undo.setattr(router, "forward", forward, raw=True)
+                self._undo.setattr(router, _MARK, self, raw=True)
+            self._bind_checkpoints()
+            self._handles.append(self.owner.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(
+                self.owner.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+            )
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the hooks and undo every change to the model (idempotent)."""
+        try:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+        finally:
+            keep = self._checkpoint_fns_to_keep()
+            self._bound_attrs.clear()
+            self.layout = None
+            self._undo.undo()
+            for host, attr, value in keep:
+                if host.__dict__.get(attr, ABSENT) is value:
+                    continue
+                if value is ABSENT:
+                    del host.__dict__[attr]
+                else:
+                    host.__dict__[attr] = value
+
+
+class GenerateGuard:
+    """While recording, ``model.generate`` refuses the decoding modes whose forwards do not extend the recorded
+    sequences one token at a time (beam search, assisted / prompt-lookup decoding, ``use_cache=False``, ...),
+    and :meth:`check_step` checks at every forward of an accepted call that it continues the KV cache where the
+    previous forward ended.
+
+    :meth:`install` puts the guarded ``generate`` on the model instance through the caller's
+    :class:`~modelpatch.undo.UndoStack`.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.active = False  # inside a guarded generate call
+        self.end: int | None = None  # inside generate: grid length after the last forward
+
+    def install(self, undo: UndoStack) -> None:
+        model = self.model
+        original = getattr(model, "generate", None)
+        if original is None:  # a bare wrapper (DDP) or a base model without generate
+            return
+
+        def generate(*args, **kwargs):
+            why = _refused_generation(model, args, kwargs)
+            if why is not None:
+                raise RoutingTraceError(f"record_routing cannot record generate with {why}")
+            if self.active:  # generate calling generate: let the outer call's checks stand
+                return original(*args, **kwargs)
+            with UndoStack() as state:
+                state.setattr(self, "active", True)
+                state.setattr(self, "end", None)
+                return original(*args, **kwargs)
+
+        undo.setattr(model, "generate", generate, raw=True)
+
+    def check_step(self, layout: ForwardLayout) -> None:
+        """Inside ``generate``: every forward after the first must continue the KV cache exactly where the
+        previous one ended (the backstop behind :func:`_refused_generation`).
+
+        Raises:
+            RoutingTraceError: the forward re-runs the whole sequence, or continues the cache elsewhere.
+        """
+        if not self.active:
+            return
+        end = self.end
+        if end is not None:
+            if not layout.continuation:
+                raise RoutingTraceError(
+                    "record_routing: a generate step ran the whole sequence again instead of continuing the KV "
+                    "cache (use_cache=False, or a decoding mode without cache); each step would be recorded as "
+                    "new sequences. Generate with use_cache=True, greedy or sampling"
+                )
+            if layout.past != end:
+                raise RoutingTraceError(
+                    f"record_routing: a generate step continues the KV cache from position {layout.past}, the "
+                    f"previous forward ended at {end}: the cache was cropped or reordered (assisted / speculative "
+                    "decoding, beam search?), so routes of discarded tokens were recorded. Generate greedy or "
+                    "sampling, without an assistant"
+                )
+        self.end = layout.past + layout.seq_len
+
+
+class RecordSession(_SessionDriver):
+    """Records the experts the live routers choose into :attr:`trace` (a new :class:`RoutingTrace`).
+
+    A forward without past key values starts new sequences; one continuing a KV cache appends to the previous
+    forward's sequences. ``model.generate`` is guarded by a :class:`GenerateGuard`.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.trace = RoutingTrace(
+            {},
+            num_experts={s.layer_idx: s.num_experts for s in self.sites},
+            top_k={s.layer_idx: s.top_k for s in self.sites},
+            num_hidden_layers=self.num_hidden_layers,
+        )
+        self.generate_guard = GenerateGuard(model)
+
+    def __enter__(self):
+        super().__enter__()
+        try:
+            self.generate_guard.install(self._undo)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _assign(self, layout: ForwardLayout) -> None:
+        self.generate_guard.check_step(layout)
+        if layout.continuation and self._last_seqs and len(self._last_seqs) == len(layout.slots):
+            seqs = self._last_seqs
+        else:
+            first = max(self.trace.num_sequences, max(self._last_seqs, default=-1) + 1)
+            seqs = list(range(first, first + len(layout.slots)))
+        for slot, seq in zip(layout.slots, seqs):
+            slot.seq = seq
+        self._last_seqs = seqs
+
+    def _record(self, site: RouterSite, idx: torch.Tensor) -> None:
+        layout = self.layout
+        if layout is None:
+            raise RoutingReplayError(
+                f"layer {site.layer_idx}: router called outside a forward of {type(self.owner).__name__}"
+            )
+        idx = idx.reshape(-1, site.top_k)
+        if idx.shape[0] != layout.num_tokens:
+            raise RoutingReplayError(
+                f"layer {site.layer_idx}: expected {layout.num_tokens} tokens at the router, received {idx.shape[0]}"
+            )
+        compact = idx.detach().to(self.trace.storage_dtype(site.layer_idx))
+        for slot in layout.slots:
+            self.trace.append(site.layer_idx, slot.seq, compact[slot.rows], check=False)
+
+    def _route(self, site, forward, args, kwargs, originals):
+        for frame in originals:
+            frame.add(site, None)  # a recomputation routes naturally, as this forward does
+        return site.kind.call(site, forward, args, kwargs, None, lambda idx: self._record(site, idx))
+
+    def _route_unbound_recompute(self, site, forward, args, kwargs, originals):
+        for frame in originals:
+            frame.add(site, None)
+        return site.kind.call(site, forward, args, kwargs, None, _noop)  # not recorded twice
+
+
+class ReplaySession(_SessionDriver):
+    """Forces the expert indices of ``trace``, sequence after sequence, while the live routers compute weights.
+
+    Raises:
+        RoutingTraceError: (on construction) the trace's layers, top-k or id range do not fit the model.
+    """
+
+    def __init__(self, model: nn.Module, trace: RoutingTrace):
+        super().__init__(model)
+        self.trace = trace
         model_layers = tuple(s.layer_idx for s in self.sites)
         if trace.layers != model_layers:
             raise RoutingTraceError(
@@ -95,8 +359,8 @@ class _Session:
             layer = s.layer_idx
             if trace.top_k[layer] != s.top_k:
                 raise RoutingTraceError(f"layer {layer}: expected top_k {s.top_k}, trace has {trace.top_k[layer]}")
-            seqs = trace._rows(layer)
-            hi = trace._max_id(layer)
+            seqs = trace.layer_routes(layer, copy=False)
+            hi = trace.max_expert_id(layer)
             if hi >= s.num_experts:
                 raise RoutingTraceError(
                     f"layer {layer}: expected expert ids in [0, {s.num_experts}) or -1, received max id {hi}"
@@ -110,7 +374,7 @@ class _Session:
         self.closed = [False] * len(self.lengths)
         self.next_seq = 0
 
-    def _assign_replay(self, layout: ForwardLayout) -> None:
+    def _assign(self, layout: ForwardLayout) -> None:
         if layout.continuation and self._last_seqs:
             if len(self._last_seqs) != len(layout.slots):
                 raise RoutingReplayError(
@@ -165,95 +429,7 @@ class _Session:
             dense[slot.rows] = got
         return dense
 
-    # -- record bookkeeping -----------------------------------------------------------------------------------
-    def _check_generate_step(self, layout: ForwardLayout) -> None:
-        """Inside ``generate``: every forward after the first must continue the KV cache exactly where the
-        previous one ended (the backstop behind :func:`_refused_generation`)."""
-        end = self._gen_end
-        if end is not None:
-            if not layout.continuation:
-                raise RoutingTraceError(
-                    "record_routing: a generate step ran the whole sequence again instead of continuing the KV "
-                    "cache (use_cache=False, or a decoding mode without cache); each step would be recorded as "
-                    "new sequences. Generate with use_cache=True, greedy or sampling"
-                )
-            if layout.past != end:
-                raise RoutingTraceError(
-                    f"record_routing: a generate step continues the KV cache from position {layout.past}, the "
-                    f"previous forward ended at {end}: the cache was cropped or reordered (assisted / speculative "
-                    "decoding, beam search?), so routes of discarded tokens were recorded. Generate greedy or "
-                    "sampling, without an assistant"
-                )
-        self._gen_end = layout.past + layout.seq_len
-
-    def _assign_record(self, layout: ForwardLayout) -> None:
-        if layout.continuation and self._last_seqs and len(self._last_seqs) == len(layout.slots):
-            seqs = self._last_seqs
-        else:
-            first = self.trace.num_sequences if self.trace._blocks else 0
-            first = max(first, max(self._last_seqs, default=-1) + 1)
-            seqs = list(range(first, first + len(layout.slots)))
-        for slot, seq in zip(layout.slots, seqs):
-            slot.seq = seq
-        self._last_seqs = seqs
-
-    def _record(self, site: RouterSite, idx: torch.Tensor) -> None:
-        layout = self.layout
-        if layout is None:
-            raise RoutingReplayError(
-                f"layer {site.layer_idx}: router called outside a forward of {type(self.owner).__name__}"
-            )
-        idx = idx.reshape(-1, site.top_k)
-        if idx.shape[0] != layout.num_tokens:
-            raise RoutingReplayError(
-                f"layer {site.layer_idx}: expected {layout.num_tokens} tokens at the router, received {idx.shape[0]}"
-            )
-        dtype = compact_dtype(site.num_experts)
-        seqs = self.trace._blocks[site.layer_idx]
-        compact = idx.detach().to(dtype)
-        for slot in layout.slots:
-            while len(seqs) <= slot.seq:
-                seqs.append([])
-            seqs[slot.seq].append(_Block(compact[slot.rows], None))
-
-    # -- hooks ------------------------------------------------------------------------------------------------
-    def _pre_forward(self, module, args, kwargs):
-        if _in_backward():
-            return None
-        self._bind_checkpoints()  # checkpointing may have been enabled inside the block
-        layout = layout_from_call(module, args, kwargs, self._sig)
-        if self.generating:
-            self._check_generate_step(layout)
-        (self._assign_replay if self.replay else self._assign_record)(layout)
-        self.layout = layout
-        return None
-
-    def _post_forward(self, module, args, kwargs, output):
-        if not _in_backward():
-            self.layout = None
-        return None
-
-    def _router_call(self, site: RouterSite, forward, args, kwargs):
-        source, originals = active_frames()
-        if source is not None:  # a bound checkpoint recomputes: exactly the routes of its original forward
-            forced = source.take(site)
-            for frame in originals:
-                frame.add(site, forced)
-            return site.kind.call(site, forward, args, kwargs, forced, _noop)
-        if _in_backward():  # recomputed by a checkpoint no frame is bound to
-            if self.replay:
-                raise RoutingReplayError(
-                    f"layer {site.layer_idx}: the router is recomputed during backward by an activation checkpoint "
-                    "replay_routing is not bound to, so the recomputation cannot be given the indices of its "
-                    "original forward; " + _CHECKPOINT_HINT
-                )
-            for frame in originals:
-                frame.add(site, None)
-            return site.kind.call(site, forward, args, kwargs, None, _noop)  # record: not recorded twice
-        if not self.replay:
-            for frame in originals:
-                frame.add(site, None)  # record: a recomputation routes naturally, as this forward does
-            return site.kind.call(site, forward, args, kwargs, None, lambda idx: self._record(site, idx))
+    def _route(self, site, forward, args, kwargs, originals):
         if unbound_checkpoint_on_stack():
             raise RoutingReplayError(
                 f"layer {site.layer_idx}: the router runs inside a torch.utils.checkpoint call that replay_routing "
@@ -266,71 +442,15 @@ class _Session:
             frame.add(site, forced)
         return site.kind.call(site, forward, args, kwargs, forced, _noop)
 
-    def _bind_checkpoints(self) -> None:
-        """Wrap the checkpoint functions of the routers' ancestors so each checkpointed call keeps its routes
-        (see :mod:`modelpatch.routing.recompute`)."""
-        for host in self._hosts:
-            d = host.__dict__
-            for attr in _CHECKPOINT_ATTRS:
-                fn = d.get(attr)
-                if fn is None or not callable(fn) or is_bound(fn):
-                    continue
-                if attr == "checkpoint_fn" and "_checkpoint_wrapped_module" not in host._modules:
-                    continue
-                bound = bind_checkpoint_fn(fn)
-                self._bound.append((host, attr, fn, bound))
-                d[attr] = bound
+    def _route_unbound_recompute(self, site, forward, args, kwargs, originals):
+        raise RoutingReplayError(
+            f"layer {site.layer_idx}: the router is recomputed during backward by an activation checkpoint "
+            "replay_routing is not bound to, so the recomputation cannot be given the indices of its "
+            "original forward; " + _CHECKPOINT_HINT
+        )
 
-    def _unbind_checkpoints(self) -> None:
-        for host, attr, fn, bound in reversed(self._bound):
-            if host.__dict__.get(attr) is bound:  # left as the user set it if changed inside the block
-                host.__dict__[attr] = fn
-        self._bound.clear()
-
-    # -- install / remove -------------------------------------------------------------------------------------
-    def install(self) -> None:
-        try:
-            for site in self.sites:
-                router = site.module
-                if getattr(router, _MARK, None) is not None:
-                    raise ModelpatchRuntimeError(
-                        f"layer {site.layer_idx}: router already driven by another record_routing/replay_routing "
-                        "block; these blocks do not nest on the same model"
-                    )
-                had = "forward" in router.__dict__
-                prev = router.__dict__.get("forward")
-                original = router.forward
-
-                def forward(*args, _site=site, _orig=original, **kwargs):
-                    return self._router_call(_site, _orig, args, kwargs)
-
-                self._installed.append((router, had, prev))
-                router.__dict__["forward"] = forward
-                router.__dict__[_MARK] = self
-            self._bind_checkpoints()
-            self._handles.append(self.owner.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(
-                self.owner.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
-            )
-        except BaseException:
-            self.remove()
-            raise
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for router, had, prev in self._installed:
-            router.__dict__.pop(_MARK, None)
-            if had:
-                router.__dict__["forward"] = prev
-            else:
-                router.__dict__.pop("forward", None)
-        self._installed.clear()
-        self._unbind_checkpoints()
-        self.layout = None
-
-    def check_replay_complete(self) -> None:
+    def check_complete(self) -> None:
+        """Raises :class:`RoutingReplayError` naming every sequence whose routes were not all consumed."""
         leftover = [
             f"sequence {i}: {self.cursor[i]} of {n} tokens replayed"
             for i, n in enumerate(self.lengths)
@@ -378,15 +498,10 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
         with record_routing(model) as trace:
             out = model.generate(input_ids, attention_mask=mask, max_new_tokens=16)
     """
-    session = _Session(model, None)
-    session.install()
-    restore_generate = _guard_generate(model, session)
-    try:
+    session = RecordSession(model)
+    with session:
         yield session.trace
-    finally:
-        restore_generate()
-        session.remove()
-    session.trace._check_lengths()
+    session.trace.check_lengths()
 
 
 # Options of ``generate`` whose forwards do not extend the recorded sequences one step at a time.
@@ -458,39 +573,6 @@ def _refused_generation(model: nn.Module, args: tuple, kwargs: dict) -> str | No
     return None
 
 
-def _guard_generate(model: nn.Module, session: "_Session"):
-    """While recording, ``model.generate`` refuses the decoding modes whose forwards do not extend the recorded
-    sequences one token at a time (beam search, assisted / prompt-lookup decoding, ``use_cache=False``, ...), and
-    checks at every forward of an accepted call that it continues the KV cache where the previous forward ended.
-    Returns the function that restores ``model`` exactly."""
-    original = getattr(model, "generate", None)
-    if original is None:
-        return lambda: None
-    had, prev = "generate" in model.__dict__, model.__dict__.get("generate")
-
-    def generate(*args, **kwargs):
-        why = _refused_generation(model, args, kwargs)
-        if why is not None:
-            raise RoutingTraceError(f"record_routing cannot record generate with {why}")
-        if session.generating:  # generate calling generate: let the outer call's checks stand
-            return original(*args, **kwargs)
-        session.generating, session._gen_end = True, None
-        try:
-            return original(*args, **kwargs)
-        finally:
-            session.generating, session._gen_end = False, None
-
-    model.__dict__["generate"] = generate
-
-    def restore() -> None:
-        if had:
-            model.__dict__["generate"] = prev
-        else:
-            model.__dict__.pop("generate", None)
-
-    return restore
-
-
 @contextmanager
 def replay_routing(model: nn.Module, trace: RoutingTrace) -> Iterator[RoutingTrace]:
     """Force the expert indices of ``trace`` while the routing weights are recomputed by the live routers.
@@ -526,12 +608,7 @@ def replay_routing(model: nn.Module, trace: RoutingTrace) -> Iterator[RoutingTra
             count at a router differs, or a router runs inside an activation checkpoint replay cannot bind; on
             exit, if routes were left unconsumed (leftover).
     """
-    session = _Session(model, trace)
-    session.install()
-    try:
+    session = ReplaySession(model, trace)
+    with session:
         yield trace
-    except BaseException:
-        session.remove()
-        raise
-    session.remove()
-    session.check_replay_complete()
+    session.check_complete()

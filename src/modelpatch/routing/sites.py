@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import ModelpatchError
+from .errors import RoutingDiscoveryError
 from .kinds import RouterKind, kind_for_family
 
 __all__ = ["RouterSite", "find_router_sites", "RoutingDiscoveryError"]
@@ -23,10 +23,6 @@ __all__ = ["RouterSite", "find_router_sites", "RoutingDiscoveryError"]
 _EXPERT_ATTRS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk", "moe_k", "k")
 _LAYER_RE = re.compile(r"^(?P<stack>(?:.*\.)?[A-Za-z_]\w*)\.(?P<idx>\d+)(?:\.|$)")
-
-
-class RoutingDiscoveryError(ModelpatchError, RuntimeError):
-    """The model has no router that `modelpatch.routing` can drive, or its routers are ambiguous."""
 
 
 @dataclass(frozen=True)

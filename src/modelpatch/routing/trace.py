@@ -1,4 +1,8 @@
-"""`RoutingTrace`: the experts each token was routed to, per MoE layer and per sequence."""
+"""`RoutingTrace`: the experts each token was routed to, per MoE layer and per sequence.
+
+Also the module-level :func:`from_routed_experts` / :func:`to_routed_experts` (the trace's conversions from and
+to inference-engine arrays, whose array handling lives in :mod:`modelpatch.routing.engine_arrays`).
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,15 @@ import os
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from ..errors import ModelpatchError, ModelpatchKeyError
+from torch import nn
 
+from ..errors import ModelpatchKeyError
+from .engine_arrays import engine_arrays_from_routes, routes_from_engine_arrays
+from .errors import RoutingTraceError
 
-__all__ = ["RoutingTrace", "RoutingTraceError", "compact_dtype"]
+__all__ = ["RoutingTrace", "RoutingTraceError", "compact_dtype", "from_routed_experts", "to_routed_experts"]
 
 _FORMAT = "modelpatch.routing_trace/1"
-
-
-class RoutingTraceError(ModelpatchError, ValueError):
-    """A routing trace, or an engine array, does not fit the model or is malformed."""
 
 
 def compact_dtype(num_experts: int) -> torch.dtype:
@@ -158,20 +161,50 @@ class RoutingTrace:
         self._decoded: dict[int, list[torch.Tensor]] = {}
         for layer in layers:
             for seq, idx in enumerate(routes.get(layer, [])):
-                self._append(layer, seq, torch.as_tensor(idx), validate=True)
-        self._check_lengths()
+                self.append(layer, seq, torch.as_tensor(idx))
+        self.check_lengths()
 
-    # -- construction helpers -------------------------------------------------------------------------------
-    def _append(self, layer: int, seq: int, idx: torch.Tensor, validate: bool) -> None:
-        if validate:
-            idx = _check_rows(idx, layer, seq, self.num_experts[layer], self.top_k[layer])
+    # -- building -------------------------------------------------------------------------------------------
+    def append(self, layer_idx: int, sequence: int, ids: torch.Tensor, *, check: bool = True) -> None:
+        """Append the routes of ``ids.shape[0]`` more tokens to sequence ``sequence`` of layer ``layer_idx``.
+
+        The layer grows to ``sequence + 1`` sequences if it has fewer (the new ones empty). Layers may disagree
+        on lengths while a trace is being built: call :meth:`check_lengths` when done.
+
+        Args:
+            layer_idx: an MoE layer of the trace (one of :attr:`layers`).
+            sequence: index of the sequence the tokens continue.
+            ids: ``(num_tokens, top_k)`` expert ids of the tokens, in token order.
+            check: ``True`` validates ``ids`` as the constructor does (any integer dtype, ``-1`` rows allowed).
+                ``False`` is the recorder's path: ``ids`` is trusted to be an integer tensor of shape
+                ``(num_tokens, top_k)`` with every id in ``[0, num_experts)`` (no ``-1`` rows); it is kept as
+                given, on its device, converted to :meth:`storage_dtype` (no copy when it already has it, no
+                device synchronisation).
+
+        Raises:
+            ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
+            RoutingTraceError: with ``check=True``, as the constructor (shape, dtype, range, mixed or repeated ids).
+        """
+        if layer_idx not in self._blocks:
+            raise ModelpatchKeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
+        dtype = self.storage_dtype(layer_idx)
+        if check:
+            ids = _check_rows(ids, layer_idx, sequence, self.num_experts[layer_idx], self.top_k[layer_idx])
+            block = _Block.encode(ids, dtype)
+        else:
+            block = _Block(ids.to(dtype), None)
         self._decoded.clear()
-        seqs = self._blocks[layer]
-        while len(seqs) <= seq:
+        seqs = self._blocks[layer_idx]
+        while len(seqs) <= sequence:
             seqs.append([])
-        seqs[seq].append(_Block.encode(idx, compact_dtype(self.num_experts[layer])))
+        seqs[sequence].append(block)
 
-    def _check_lengths(self) -> None:
+    def check_lengths(self) -> None:
+        """Check that every layer holds the same number of sequences and, per sequence, the same number of tokens.
+
+        Raises:
+            RoutingTraceError: naming the first layer that disagrees with the first layer, and both lengths.
+        """
         ref = None
         for layer in self._blocks:
             lengths = self._lengths(layer)
@@ -210,13 +243,22 @@ class RoutingTrace:
         return self._lengths(self.layers[0]) if self._blocks else []
 
     def __getitem__(self, layer_idx: int) -> list[torch.Tensor]:
-        """``[LongTensor (num_tokens, top_k) per sequence]`` of decoder layer ``layer_idx``."""
+        """``[LongTensor (num_tokens, top_k) per sequence]`` of decoder layer ``layer_idx`` (copies)."""
+        return self.layer_routes(layer_idx)
+
+    def layer_routes(self, layer_idx: int, *, copy: bool = True) -> list[torch.Tensor]:
+        """The routes of one MoE layer: one int64 tensor ``(num_tokens, top_k)`` per sequence, on the CPU.
+
+        Args:
+            layer_idx: an MoE layer of the trace (one of :attr:`layers`).
+            copy: ``False`` returns the trace's decoded cache itself, without copying (what replay reads at
+                every router call): the tensors must not be modified, and are replaced when the trace changes.
+
+        Raises:
+            ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
+        """
         if layer_idx not in self._blocks:
             raise ModelpatchKeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
-        return [t.clone() for t in self._rows(layer_idx)]
-
-    def _rows(self, layer_idx: int) -> list[torch.Tensor]:
-        """Decoded int64 blocks of one layer, cached until the trace changes (callers must not modify them)."""
         rows = self._decoded.get(layer_idx)
         if rows is None or len(rows) != len(self._blocks[layer_idx]):
             self._consolidate()
@@ -224,12 +266,18 @@ class RoutingTrace:
                 (blocks[0].decode() if blocks else torch.empty(0, self.top_k[layer_idx], dtype=torch.int64))
                 for blocks in self._blocks[layer_idx]
             ]
-        return rows
+        return [t.clone() for t in rows] if copy else list(rows)
 
-    def _max_id(self, layer_idx: int) -> int:
+    def max_expert_id(self, layer_idx: int) -> int:
+        """The largest expert id of layer ``layer_idx`` over all sequences (``-1`` if no token has a route).
+
+        Raises:
+            ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
+        """
         key = ("max", layer_idx)
         if key not in self._decoded:
-            self._decoded[key] = max((int(t.max()) for t in self._rows(layer_idx) if t.numel()), default=-1)
+            rows = self.layer_routes(layer_idx, copy=False)
+            self._decoded[key] = max((int(t.max()) for t in rows if t.numel()), default=-1)
         return self._decoded[key]
 
     def __contains__(self, layer_idx: object) -> bool:
@@ -258,6 +306,7 @@ class RoutingTrace:
         return sum(b.nbytes for seqs in self._blocks.values() for blocks in seqs for b in blocks)
 
     def storage_dtype(self, layer_idx: int) -> torch.dtype:
+        """Dtype the ids of layer ``layer_idx`` are stored in (:func:`compact_dtype` of its number of experts)."""
         return compact_dtype(self.num_experts[layer_idx])
 
     def __eq__(self, other: object) -> bool:
@@ -333,20 +382,97 @@ class RoutingTrace:
 
     # -- engine arrays ----------------------------------------------------------------------------------------
     @classmethod
-    def from_routed_experts(cls, routed_experts, model, **kwargs) -> "RoutingTrace":
-        """Build a trace from inference-engine arrays ``(seq_len, num_layers, top_k)``.
+    def from_routed_experts(
+        cls,
+        routed_experts,
+        model: nn.Module,
+        *,
+        attention_mask=None,
+        seq_lens: Sequence[int] | None = None,
+        layer_axis: str = "auto",
+    ) -> "RoutingTrace":
+        """Build a trace from inference-engine arrays.
 
-        See :func:`modelpatch.routing.engine.from_routed_experts` for the arguments; this is the same call.
+        Args:
+            routed_experts: the engine's routes, any integer dtype (uint8, uint16, int16, int32, int64; ids
+                >= 256 survive), NumPy arrays, tensors or nested Python lists; ``-1`` means "no route":
+
+                - one array ``(seq_len, num_layers, top_k)``: one sequence;
+                - a padded batch ``(batch, seq_len, num_layers, top_k)``: one sequence per row, with
+                  ``attention_mask`` to drop the padding (left or right);
+                - a list of arrays ``(seq_len_i, num_layers, top_k)`` (lengths may differ): one sequence each;
+                - a nested Python list of ints reads as the array it spells: three deep (``arr.tolist()`` of
+                  one sequence, e.g. ``[[[1, 2]], [[0, 3]]]``: 2 tokens, 1 layer, top-2) is ONE sequence,
+                  four deep a batch (or, if its entries differ in length, one sequence per entry).
+            model: the model the trace will be replayed on; its MoE layers, number of experts and top-k are
+                read from its routers.
+            attention_mask: ``(batch, seq_len)`` with 1 on real tokens, for a padded batch only.
+            seq_lens: total tokens per sequence as fed to the training forward. An array may hold ``seq_len`` or
+                ``seq_len - 1`` rows (engines never route the last sampled token); a missing last row becomes
+                ``-1`` (routed naturally on replay).
+            layer_axis: ``"all"`` (one slice per hidden layer; dense layers' slices are ignored, so vLLM's zeros
+                there are never read as expert 0), ``"moe"`` (one slice per MoE layer, in layer order) or
+                ``"auto"`` (detected from the axis length, which must then match one of the two).
+
+        Returns:
+            :class:`RoutingTrace` with ``num_hidden_layers`` set from the model; int64 routes
+            ``(num_tokens, top_k)`` per MoE layer and sequence.
+
+        Raises:
+            RoutingTraceError: a rank other than those above (the message names the shape received and the
+                forms accepted), a ragged nested list, ``attention_mask`` with a list of per-sequence arrays or
+                of the wrong shape, a layer axis matching neither the model's hidden layers nor its MoE layers,
+                a top-k axis different from the routers', an id ``>= num_experts`` or ``< -1``, or a row count
+                other than ``seq_len`` / ``seq_len - 1``. Messages name the layer (and sequence), the expected
+                and the received shape or range.
+            ModelpatchValueError: ``layer_axis`` not ``"auto"``, ``"all"`` or ``"moe"``.
+            RoutingDiscoveryError: ``model`` has no top-k router.
         """
-        from .engine_arrays import from_routed_experts
+        read = routes_from_engine_arrays(
+            routed_experts, model, attention_mask=attention_mask, seq_lens=seq_lens, layer_axis=layer_axis
+        )
+        return cls(
+            read.routes, num_experts=read.num_experts, top_k=read.top_k, num_hidden_layers=read.num_hidden_layers
+        )
 
-        return from_routed_experts(routed_experts, model, **kwargs)
+    def to_routed_experts(
+        self,
+        sequence: int | None = None,
+        *,
+        layer_axis: str = "all",
+        dense_fill: int = -1,
+        dtype: torch.dtype = torch.int32,
+    ):
+        """The trace in an inference engine's layout.
 
-    def to_routed_experts(self, sequence: int | None = None, **kwargs):
-        """Engine layout ``(seq_len, num_layers, top_k)``; see :func:`modelpatch.routing.engine.to_routed_experts`."""
-        from .engine_arrays import to_routed_experts
+        Args:
+            sequence: which sequence; ``None`` returns a list with every sequence.
+            layer_axis: ``"all"`` (``num_hidden_layers`` slices, dense layers filled with ``dense_fill``; needs
+                :attr:`num_hidden_layers`) or ``"moe"`` (MoE layers only, in layer order).
+            dense_fill: value written in the slices of dense layers (vLLM writes 0; -1 keeps them unambiguous).
+            dtype: integer dtype of the result (``torch.int32`` like vLLM's ``np.int32``).
 
-        return to_routed_experts(self, sequence, **kwargs)
+        Returns:
+            a tensor ``(seq_len, num_layers, top_k)`` of ``dtype`` (``-1`` for tokens without a route), or a list
+            of them.
+
+        Raises:
+            RoutingTraceError: ``layer_axis="all"`` without ``num_hidden_layers``, or layers with different top-k.
+            ModelpatchValueError: ``layer_axis`` not ``"all"`` or ``"moe"``.
+        """
+        ks = {self.top_k[layer] for layer in self.layers}
+        if len(ks) != 1:
+            raise RoutingTraceError(f"engine arrays need one top_k for all layers, trace has {sorted(ks)}")
+        out = engine_arrays_from_routes(
+            {layer: self.layer_routes(layer, copy=False) for layer in self.layers},
+            range(self.num_sequences) if sequence is None else [sequence],
+            top_k=ks.pop(),
+            num_hidden_layers=self.num_hidden_layers,
+            layer_axis=layer_axis,
+            dense_fill=dense_fill,
+            dtype=dtype,
+        )
+        return out[0] if sequence is not None else out
 
     # -- files ----------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
@@ -399,5 +525,15 @@ class RoutingTrace:
                 ids = tensors[f"layers.{layer}.seq.{i}"]
                 free = tensors.get(f"layers.{layer}.seq.{i}.free")
                 trace._blocks[layer].append([_Block(ids, free.bool() if free is not None else None)])
-        trace._check_lengths()
+        trace.check_lengths()
         return trace
+
+
+def from_routed_experts(routed_experts, model: nn.Module, **kwargs) -> RoutingTrace:
+    """:meth:`RoutingTrace.from_routed_experts` as a function (same arguments, result and errors)."""
+    return RoutingTrace.from_routed_experts(routed_experts, model, **kwargs)
+
+
+def to_routed_experts(trace: RoutingTrace, sequence: int | None = None, **kwargs):
+    """:meth:`RoutingTrace.to_routed_experts` of ``trace`` as a function (same arguments, result and errors)."""
+    return trace.to_routed_experts(sequence, **kwargs)
