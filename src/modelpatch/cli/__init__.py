@@ -2,8 +2,14 @@
 
 ``main(argv=None) -> int`` parses ``argv`` (default ``sys.argv[1:]``), runs one subcommand and returns its exit
 status: 0 when every check passed, 1 when a check failed (:data:`~.errors.EXIT_FAILED_CHECK`), 2 for a usage error,
-a missing folder, a folder that is not a checkpoint, a patches file that raises, or an unknown recipe — printed as
-one line ``modelpatch: error: ...`` on stderr, never a traceback. ``modelpatch`` alone is ``modelpatch verify``.
+a missing folder, a folder that is not a checkpoint (or already in the converted layout), unreadable checkpoint
+files, an unusable cache folder, a patches file that raises or defines nothing, or an unknown recipe — printed as
+one line ``modelpatch: error: ...`` on stderr, never a traceback. ``modelpatch`` alone is ``modelpatch verify``;
+``modelpatch --version`` prints the installed version.
+
+Each subcommand runs in a fresh ``contextvars`` context (no ``apply_patches`` block of an in-process caller applies)
+inside a :class:`~.sandbox.CommandSandbox` (nothing registered process-wide applies, and what a patches file
+registers is taken back afterwards), so ``verify``'s reference load is always the unpatched model.
 
 Subcommands live in their own modules (:mod:`.verify`, :mod:`.explain`, :mod:`.convert`); each exposes
 ``add_parser(subparsers)`` and a ``main(args) -> int``.
@@ -12,6 +18,7 @@ Subcommands live in their own modules (:mod:`.verify`, :mod:`.explain`, :mod:`.c
 from __future__ import annotations
 
 import argparse
+import contextvars
 import os
 import sys
 from collections.abc import Sequence
@@ -19,6 +26,7 @@ from contextlib import contextmanager
 
 from . import convert, explain, verify
 from .errors import EXIT_USAGE, CliError
+from .sandbox import CommandSandbox
 
 __all__ = ["main", "build_parser", "CliError"]
 
@@ -31,8 +39,19 @@ def _list_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("modelpatch")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``modelpatch`` and its subcommands."""
     parser = argparse.ArgumentParser(prog="modelpatch", description="Check, explain and convert patched Transformers models.")
+    parser.add_argument("--version", action="version", version=f"modelpatch {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     verify.add_parser(subparsers)
     explain.add_parser(subparsers)
@@ -67,19 +86,23 @@ def _quiet_transformers():
             logging.enable_progress_bar()
 
 
+def _run(args: argparse.Namespace) -> int:
+    with _quiet_transformers(), CommandSandbox():
+        return args.handler(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["verify", *argv]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse already printed its one-line usage error
         return int(exit_.code or 0) and EXIT_USAGE
     try:
-        with _quiet_transformers():
-            return args.handler(args)
+        return contextvars.Context().run(_run, args)
     except CliError as error:
         print(f"modelpatch: error: {error}", file=sys.stderr)
         return EXIT_USAGE

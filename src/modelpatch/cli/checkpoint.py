@@ -8,6 +8,7 @@ drawn from a seeded generator, so it is bit-identical on every machine. It is wr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -16,24 +17,83 @@ import torch
 
 from .errors import CliError
 
-__all__ = ["checkpoint_dir", "checkpoint_files", "model_class", "cache_dir", "example_checkpoint", "EXAMPLE_NAME"]
+__all__ = ["checkpoint_dir", "checkpoint_files", "checkpoint_keys", "model_class", "cache_dir", "example_checkpoint",
+           "EXAMPLE_NAME"]
 
 EXAMPLE_NAME = "qwen2_moe-tiny-v1"
 
 
 def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of a checkpoint folder (single file or sharded index), in index order.
+    """The safetensors files of a checkpoint folder (single file or sharded index), in index order, each checked to
+    exist and to have a readable safetensors header (only the header is read).
 
     Raises:
-        CliError: the folder holds no safetensors checkpoint.
+        CliError: the folder holds no safetensors checkpoint; its index cannot be read, has no ``weight_map``, names a
+            shard that is not there or has no ``metadata`` (Transformers requires it); a file is not a readable
+            safetensors file (e.g. truncated). One line, naming the file at fault.
     """
     from ..conversion import ConversionError
+    from ..conversion.io import SAFE_WEIGHTS_INDEX_NAME
     from ..conversion.io import checkpoint_files as _files
 
+    index = os.path.join(path, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        _check_index(path, index)
     try:
-        return _files(path)
+        files = _files(path)
     except ConversionError:
         raise CliError(f"'{path}' is not a checkpoint: no model.safetensors or model.safetensors.index.json") from None
+    for file in files:
+        _check_header(file)
+    return files
+
+
+def _check_index(folder: str, index: str) -> None:
+    try:
+        with open(index) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read '{index}': {_first_line(exc)}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CliError(f"'{index}' has no \"weight_map\" dict of parameter name -> shard file")
+    missing = [name for name in dict.fromkeys(weight_map.values()) if not os.path.isfile(os.path.join(folder, name))]
+    if missing:
+        more = f" (and {len(missing) - 1} other missing shard(s))" if len(missing) > 1 else ""
+        raise CliError(f"'{index}' names shard '{missing[0]}', which is not in '{folder}'{more}")
+    if not isinstance(data.get("metadata"), dict):
+        raise CliError(f"'{index}' has no \"metadata\" dict, which Transformers needs to load it "
+                       "(add \"metadata\": {} beside \"weight_map\")")
+
+
+def _check_header(file: str) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt", device="cpu"):  # parses and checks the header only
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise CliError(f"'{file}' is not a readable safetensors file (truncated or corrupt?): {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def checkpoint_keys(path: str) -> list[str]:
+    """Every tensor name of a checkpoint folder, read from the safetensors headers (no tensor is read).
+
+    Raises:
+        CliError: as :func:`checkpoint_files`.
+    """
+    from safetensors import safe_open
+
+    keys = []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            keys.extend(handle.keys())
+    return keys
 
 
 def checkpoint_dir(path: str | os.PathLike) -> str:
@@ -84,6 +144,26 @@ def cache_dir() -> str:
     return os.environ.get("MODELPATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "modelpatch")
 
 
+def _usable_cache_dir() -> str:
+    """:func:`cache_dir`, created if needed and checked to be a writable folder.
+
+    Raises:
+        CliError: it cannot be created, is not a folder or is not writable (one line naming it and the variable).
+    """
+    path = cache_dir()
+    where = "MODELPATCH_CACHE" if os.environ.get("MODELPATCH_CACHE") else "the default cache folder; MODELPATCH_CACHE unset"
+    fix = "set MODELPATCH_CACHE to a writable folder"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CliError(f"cache folder '{path}' ({where}) is not usable: it is a file, not a folder; {fix}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cache folder '{path}' ({where}) cannot be created: {exc.strerror or exc}; {fix}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CliError(f"cache folder '{path}' ({where}) is not writable; {fix}")
+    return path
+
+
 def example_config():
     """Config of the built-in example (a tiny Qwen2-MoE with GQA and q/k/v biases)."""
     from transformers import Qwen2MoeConfig
@@ -108,14 +188,21 @@ def example_checkpoint(*, rebuild: bool = False) -> str:
 
     Built by manual construction (original classes) in a fresh context (no scoped conversion rule of the caller),
     so it holds the vanilla layout Transformers writes: one tensor per expert, separate q/k/v.
+
+    Raises:
+        CliError: the cache folder (``$MODELPATCH_CACHE``) is a file, cannot be created or is not writable.
     """
     import contextvars
 
     target = os.path.join(cache_dir(), EXAMPLE_NAME)
     if not rebuild and os.path.isfile(os.path.join(target, "model.safetensors")):
         return target
-    os.makedirs(cache_dir(), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{EXAMPLE_NAME}-", dir=cache_dir())
+    cache = _usable_cache_dir()
+    try:
+        staging = tempfile.mkdtemp(prefix=f".{EXAMPLE_NAME}-", dir=cache)
+    except OSError as exc:
+        raise CliError(f"cannot write in the cache folder '{cache}': {exc.strerror or exc}; set MODELPATCH_CACHE to a "
+                       "writable folder") from None
     try:
         contextvars.Context().run(_write_example, staging)  # no scoped patch/rule of the caller applies
         if rebuild and os.path.isdir(target):

@@ -12,7 +12,7 @@ import json
 import os
 
 from .errors import CliError
-from .render import table
+from .render import plain, table
 from .sources import resolve_patches
 
 __all__ = ["add_parser", "main"]
@@ -31,7 +31,7 @@ def _model_type(src: str, given: str | None) -> str:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("convert", help="write a converted checkpoint (or the reverse)",
-                                   description=__doc__.split("\n\n")[0])
+                                   description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("src", metavar="SRC", help="checkpoint folder or .safetensors file")
     parser.add_argument("dst", metavar="DST", help="output folder")
     source = parser.add_mutually_exclusive_group(required=True)

@@ -15,9 +15,9 @@ import os
 
 import torch
 
-from .checkpoint import model_class, read_config
+from .checkpoint import checkpoint_keys, model_class, read_config
 from .errors import CliError
-from .render import section, table
+from .render import plain, section, table
 from .sources import resolve_patches
 
 __all__ = ["add_parser", "main", "explain"]
@@ -48,24 +48,13 @@ def _build_on_meta(config):
         return cls._from_config(config)
 
 
-def _checkpoint_keys(model_dir: str) -> list[str]:
-    from safetensors import safe_open
-
-    from .checkpoint import checkpoint_files
-
-    keys = []
-    for file in checkpoint_files(model_dir):
-        with safe_open(file, framework="pt", device="cpu") as handle:  # header only: no tensor is read
-            keys.extend(handle.keys())
-    return keys
-
-
 def explain(recipe, *, model_dir: str | None = None, model_type: str | None = None) -> dict:
     """The dry run as a JSON-ready dict: ``replaced`` (key → {class: modules}), ``unmatched_keys``,
     ``conflicts`` (messages), ``conversion_rules`` (rule → matched checkpoint keys, or ``null`` without a folder).
 
     Raises:
-        CliError: missing folder / unknown model type.
+        CliError: missing folder / unknown model type / unreadable checkpoint files (a truncated safetensors file, an
+            index naming a missing shard).
     """
     from ..patching.conflicts import find_conflicts
     from ..conversion import get_checkpoint_conversion_mapping
@@ -84,7 +73,7 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
             name = f"{found.original.__name__} -> {found.replacement.__name__}"
             classes[name] = classes.get(name, 0) + 1
     conflicts = find_conflicts(scope.resolved, list(scope.replaced_originals))
-    keys = _checkpoint_keys(model_dir) if model_dir is not None and _has_weights(model_dir) else None
+    keys = checkpoint_keys(model_dir) if model_dir is not None and _has_weights(model_dir) else None
     conversion = []
     for rule in rules:
         matched = None if keys is None else [k for k in keys if match_rule(rule, k) is not None]
@@ -123,7 +112,7 @@ def render(report: dict) -> str:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("explain", help="dry run on the meta device: what a patch would replace",
-                                   description=__doc__.split("\n\n")[0])
+                                   description=plain(__doc__.split("\n\n")[0]))
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", metavar="DIR", help="checkpoint folder (only config.json and headers are read)")
     where.add_argument("--model-type", metavar="NAME", help="a model_type with its default config (e.g. llama)")

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
-__all__ = ["table", "section"]
+import re
+
+__all__ = ["table", "section", "plain"]
+
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(?P<short>~?)\.?(?P<target>[^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain(text: str) -> str:
+    """Docstring text (reST) as plain text for ``--help``: double-backtick literals without their backticks, a role
+    such as ``:func:`~a.b``` as the name it shows (``b``; ``a.b`` without the tilde), lines joined by one space."""
+
+    def role(match: re.Match) -> str:
+        target = match.group("target")
+        return target.rsplit(".", 1)[-1] if match.group("short") else target
+
+    return " ".join(_LITERAL.sub(r"\1", _ROLE.sub(role, text)).split())
 
 
 def table(headers: list[str], rows: list[list[object]], indent: str = "  ") -> str:

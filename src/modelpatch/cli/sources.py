@@ -2,12 +2,23 @@
 
 A **patches file** (``--patches path/to/patches.py``) or **module** (``--patches mypkg.patches``) defines:
 
-``PATCH_MAPPING``         required, ``{class name or regex: replacement class}`` (as for ``apply_patches``)
+``PATCH_MAPPING``         ``{class name or regex: replacement class}`` (as for ``apply_patches``)
 ``CONVERSION_RULES``      optional, ``{model_type or class name: [WeightConverter | WeightRenaming, ...]}``
+                          (modelpatch's rule classes or Transformers' own)
 ``CONVERSION_OVERWRITE``  optional, ``True`` (every name) or a collection of names whose built-in Transformers
                           rules are dropped (``register_checkpoint_conversion_mapping(..., overwrite=True)``)
 
-or, instead of all three, ``RECIPE = modelpatch.recipes.Recipe(...)``. The file is executed once per command.
+or, instead of all three, ``RECIPE = modelpatch.recipes.Recipe(...)``; or it registers its patches when imported,
+as the founding document does (``register_patch_mapping(...)``, ``register_checkpoint_conversion_mapping(...)``).
+What it registers is read back (the registries before and after the import are compared), taken as patches under
+test together with what it defines, and removed from the registries again: the command's reference load stays
+unpatched (see :mod:`.sandbox`). A file that defines nothing and registers nothing is an error.
+
+The file is executed once per command (a module already imported is reloaded), with its own folder first on
+``sys.path`` as ``python file.py`` has it, so ``from my_helpers import MyAttention`` finds ``my_helpers.py`` beside
+it. The folder stays on ``sys.path`` until the command ends (imports inside the file's functions run while models are
+built and run), then it is removed and the modules imported from it are forgotten: ``sys.path`` and ``sys.modules``
+are left as they were.
 """
 
 from __future__ import annotations
@@ -20,13 +31,49 @@ import sys
 import uuid
 from collections.abc import Mapping
 
+from ..conversion.rules import as_modelpatch_rule
 from ..recipes import Recipe, RuleSpec, UnknownRecipeError, get_recipe
 from .errors import CliError
+from .sandbox import (
+    Registrations,
+    TransformersRegistries,
+    active_sandbox,
+    current_registrations,
+    registered_between,
+    set_registrations,
+)
 
 __all__ = ["resolve_patches", "recipe_from_namespace"]
 
 
 def _load_module(source: str):
+    """Import the patches file or module ``source``; returns ``(module, what it registered)`` and leaves the
+    registries (modelpatch's and Transformers' own) as they were before the import, also when the import raises.
+
+    Raises:
+        CliError: the import raised, or it registered into Transformers' own registries (which Transformers applies
+            to every load, the unpatched reference included, and modelpatch does not read): the message names the
+            calls and the import to write instead.
+    """
+    before, transformers_before = current_registrations(), TransformersRegistries.read()
+    try:
+        module = _import(source)
+    finally:
+        after, transformers_after = current_registrations(), TransformersRegistries.read()
+        set_registrations(before)
+        transformers_before.restore()
+    foreign = transformers_after.changes_since(transformers_before)
+    if foreign:
+        raise CliError(
+            f"{source} registers into Transformers' own registries ({', '.join(foreign)}), which Transformers applies "
+            "to every load, the unpatched reference included: write `from modelpatch import register_patch_mapping, "
+            "register_checkpoint_conversion_mapping` instead of the transformers.monkey_patching / "
+            "transformers.conversion_mapping imports (the rule classes may stay Transformers' WeightConverter, "
+            "Concatenate, ...)")
+    return module, registered_between(before, after)
+
+
+def _import(source: str):
     if source.endswith(".py") or os.sep in source or "/" in source:
         if not os.path.isfile(source):
             raise CliError(f"patches file '{source}' does not exist")
@@ -34,14 +81,19 @@ def _load_module(source: str):
         spec = importlib.util.spec_from_file_location(name, source)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look the module up
+        sandbox = active_sandbox()
+        if sandbox is not None:
+            sandbox.forget_module_on_exit(name)
         try:
-            spec.loader.exec_module(module)
+            with _on_sys_path(os.path.dirname(os.path.abspath(source))):
+                spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001 - any error in user code becomes one line
             sys.modules.pop(name, None)
             raise CliError(f"patches file '{source}' raised {type(exc).__name__}: {exc}") from None
         return module
     try:
-        return _import_from_cwd(source)
+        with _on_sys_path(os.getcwd(), only_if_absent=("",)):
+            return _import_by_name(source)
     except ModuleNotFoundError as exc:
         if exc.name and source.startswith(exc.name):
             raise CliError(f"patches module '{source}' not found (give a module name or a .py file)") from None
@@ -50,34 +102,86 @@ def _load_module(source: str):
         raise CliError(f"patches module '{source}' raised {type(exc).__name__}: {exc}") from None
 
 
-def _import_from_cwd(name: str):
-    """Import a module by name with the current directory on ``sys.path``, as ``python -m`` has it (a console
-    script does not, so ``--patches my_patches`` would not find ``./my_patches.py``)."""
-    cwd = os.getcwd()
-    if cwd in sys.path or "" in sys.path:
-        return importlib.import_module(name)
-    sys.path.insert(0, cwd)
+def _import_by_name(name: str):
+    """Import module ``name``, executing it again if it was imported before (its import-time registrations are
+    read back per command, see the module docstring)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return importlib.reload(module)
+    return importlib.import_module(name)
+
+
+class _on_sys_path:
+    """``folder`` first on ``sys.path``: until the command ends inside a :class:`~.sandbox.CommandSandbox`, else for
+    the ``with`` block only. Nothing is added when ``folder`` (or an entry of ``only_if_absent``, e.g. ``""`` for the
+    current directory) is already there. A console script has neither the current directory (``python -m`` has it)
+    nor the file's folder (``python file.py`` has it) on ``sys.path``."""
+
+    def __init__(self, folder: str, only_if_absent: tuple[str, ...] = ()):
+        self.folder = folder
+        self.skip = folder in sys.path or any(entry in sys.path for entry in only_if_absent)
+        self.added = False
+
+    def __enter__(self) -> None:
+        if self.skip:
+            return
+        sandbox = active_sandbox()
+        if sandbox is not None:
+            sandbox.add_import_path(self.folder)
+        else:
+            sys.path.insert(0, self.folder)
+            self.added = True
+
+    def __exit__(self, *exc_info) -> None:
+        if self.added and self.folder in sys.path:
+            sys.path.remove(self.folder)
+
+
+def _same_rules(mine, theirs) -> bool:
     try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(cwd)
+        return [repr(as_modelpatch_rule(r)) for r in mine] == [repr(as_modelpatch_rule(r)) for r in theirs]
+    except TypeError:
+        return False
 
 
-def recipe_from_namespace(namespace: Mapping, label: str) -> Recipe:
-    """Build a :class:`Recipe` from a patches module's globals (see the module docstring).
+def _registered_recipe(registered: Registrations, label: str) -> Recipe:
+    conversion = {
+        name: RuleSpec(ruleset.fresh_rules, ruleset.overwrite) for name, ruleset in registered.conversion.items()
+    }
+    return Recipe(name=label, description=f"patches registered by {label}", patch_mapping=dict(registered.patch_mapping),
+                  conversion=conversion)
+
+
+def recipe_from_namespace(namespace: Mapping, label: str, registered: Registrations | None = None) -> Recipe:
+    """Build a :class:`Recipe` from a patches module's globals and what it registered (see the module docstring).
+
+    Args:
+        namespace: the module's globals.
+        label: the ``--patches`` argument (the recipe's name).
+        registered: what the module registered when imported (:func:`~.sandbox.registered_between`).
 
     Raises:
-        CliError: no ``PATCH_MAPPING``/``RECIPE``, or values of the wrong type.
+        CliError: nothing defined and nothing registered; values of the wrong type; a key or a rule name both defined
+            and registered with different values.
     """
+    registered = registered if registered is not None else Registrations()
     recipe = namespace.get("RECIPE")
     if recipe is not None:
         if not isinstance(recipe, Recipe):
             raise CliError(f"{label}: RECIPE must be a modelpatch.recipes.Recipe, got {type(recipe).__name__}")
-        return recipe
+        if not registered:
+            return recipe
+        try:
+            return recipe + _registered_recipe(registered, label)
+        except ValueError as exc:
+            raise CliError(f"{label}: RECIPE and the patches it registers disagree: {exc}") from None
     mapping = namespace.get("PATCH_MAPPING")
-    if not isinstance(mapping, Mapping) or not mapping:
-        raise CliError(f"{label} defines no PATCH_MAPPING dict (or RECIPE)")
-    rules = namespace.get("CONVERSION_RULES") or {}
+    rules = namespace.get("CONVERSION_RULES")
+    mapping = {} if mapping is None else mapping
+    if not isinstance(mapping, Mapping):
+        raise CliError(f"{label}: PATCH_MAPPING must be a dict {{class name or regex: replacement class}}, got "
+                       f"{type(mapping).__name__}")
+    rules = {} if rules is None else rules
     if not isinstance(rules, Mapping):
         raise CliError(f"{label}: CONVERSION_RULES must be a dict {{model_type: [rules]}}")
     overwrite = namespace.get("CONVERSION_OVERWRITE", False)
@@ -85,11 +189,29 @@ def recipe_from_namespace(namespace: Mapping, label: str) -> Recipe:
         overwrite_names = set(rules)
     else:
         overwrite_names = {overwrite} if isinstance(overwrite, str) else set(overwrite or ())
+    mapping = dict(mapping)
+    for key, cls in registered.patch_mapping.items():
+        if key in mapping and mapping[key] is not cls:
+            raise CliError(f"{label}: PATCH_MAPPING[{key!r}] is {getattr(mapping[key], '__name__', mapping[key])} but "
+                           f"the file registers {cls.__name__} for it; keep one")
+        mapping[key] = cls
     conversion = {
-        name: RuleSpec(lambda rules=tuple(value): [copy.deepcopy(r) for r in rules], name in overwrite_names)
+        name: RuleSpec(lambda rules=tuple(value): [as_modelpatch_rule(copy.deepcopy(r)) for r in rules],
+                       name in overwrite_names)
         for name, value in rules.items()
     }
-    return Recipe(name=label, description=f"patches from {label}", patch_mapping=dict(mapping), conversion=conversion)
+    for name, ruleset in registered.conversion.items():
+        if name in conversion:
+            if not _same_rules(rules[name], ruleset.rules):
+                raise CliError(f"{label}: CONVERSION_RULES[{name!r}] and the rules the file registers for {name!r} "
+                               "differ; keep one")
+            conversion[name] = RuleSpec(conversion[name].factory, conversion[name].overwrite or ruleset.overwrite)
+        else:
+            conversion[name] = RuleSpec(ruleset.fresh_rules, ruleset.overwrite)
+    if not mapping and not conversion:
+        raise CliError(f"{label} defines no PATCH_MAPPING dict (or RECIPE) and registers nothing "
+                       "(register_patch_mapping / register_checkpoint_conversion_mapping)")
+    return Recipe(name=label, description=f"patches from {label}", patch_mapping=mapping, conversion=conversion)
 
 
 def resolve_patches(recipe: str | None, patches: str | None) -> Recipe:
@@ -104,8 +226,8 @@ def resolve_patches(recipe: str | None, patches: str | None) -> Recipe:
         except UnknownRecipeError as exc:
             raise CliError(str(exc)) from None
     if patches is not None:
-        module = _load_module(patches)
-        recipe = recipe_from_namespace(vars(module), patches)
+        module, registered = _load_module(patches)
+        recipe = recipe_from_namespace(vars(module), patches, registered)
         try:  # validates the mapping and the rules (types, regexes) before anything is loaded
             with recipe.apply():
                 pass

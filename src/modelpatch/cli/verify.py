@@ -10,6 +10,10 @@ Checks (each one line in the summary; any failure → exit status 1):
 
 With no ``--model`` and no ``--recipe``/``--patches`` it runs the founding document's full example (recipe
 ``qwen2_moe-full-example``) on the built-in tiny Qwen2-MoE checkpoint (see :mod:`.checkpoint`).
+
+The reference ("vanilla") load runs with nothing registered process-wide in force (see :mod:`.sandbox`). A folder
+already in the layout the recipe converts to (written by ``modelpatch convert``) is a one-line error, not four
+failed checks: the reference load would leave parameters random there (:func:`converted_layout_error`).
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ import torch
 from tqdm import tqdm
 
 from ..recipes import FULL_EXAMPLE, Recipe
-from .checkpoint import checkpoint_dir, example_checkpoint, model_class, read_config
+from .checkpoint import checkpoint_dir, checkpoint_keys, example_checkpoint, model_class, read_config
 from .errors import EXIT_FAILED_CHECK, CliError
 from .inputs import model_inputs, model_output
 from .provenance import ParamSource, first_difference, parameter_provenance
-from .render import section, table
+from .render import plain, section, table
 from .sources import resolve_patches
 
-__all__ = ["Check", "VerifyResult", "run_verify", "add_parser", "DTYPES"]
+__all__ = ["Check", "VerifyResult", "run_verify", "converted_layout_error", "add_parser", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,11 +111,15 @@ def _new_loading_issues(patched_info: dict, vanilla_info: dict) -> dict:
 
 
 def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: float | None = None,
-               progress: bool | None = None) -> VerifyResult:
+               progress: bool | None = None, source_args: str | None = None) -> VerifyResult:
     """Run every check of ``verify`` on ``model_dir`` with ``recipe``; returns the result (never exits).
 
+    ``source_args`` is how the recipe was given on the command line (``--recipe NAME``, ``--patches FILE``; default
+    ``--recipe <recipe.name>``), used in the advice of :func:`converted_layout_error`.
+
     Raises:
-        CliError: the folder is not a checkpoint, or the patched load itself fails (message of the error).
+        CliError: the folder is not a checkpoint, is already in the layout the recipe converts to (the unpatched
+            reference would be random there), or a load itself fails (message of the error).
     """
     from ..conversion import conversion_report
     from ..patching.report import patch_report
@@ -130,6 +138,10 @@ def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: 
             vanilla, vanilla_info, result.load_seconds["vanilla"] = _timed_load(cls, model_dir, torch_dtype, None)
         except Exception as exc:  # noqa: BLE001
             raise CliError(f"loading '{model_dir}' without patches failed: {type(exc).__name__}: {exc}") from None
+        problem = converted_layout_error(model_dir, recipe, config, vanilla_info,
+                                         source_args or f"--recipe {recipe.name}")
+        if problem is not None:
+            raise CliError(problem)
         steps.update()
         steps.set_postfix_str("patched load")
         try:
@@ -174,6 +186,17 @@ def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: 
     return result
 
 
+def _rule_text(rule) -> str:
+    """How the conversion report names ``rule``: the registries and blocks rebuild Transformers' own
+    ``WeightConverter``/``WeightRenaming`` (and operations) as modelpatch's, and the rows name what actually ran."""
+    from ..conversion.rules import as_modelpatch_rule
+
+    try:
+        return repr(as_modelpatch_rule(rule))
+    except TypeError:
+        return repr(rule)
+
+
 def _unfired_rules(recipe: Recipe, model, rows) -> list[str]:
     """The recipe's rules, for the names that apply to ``model`` (its ``model_type`` or a sub-model's class name or
     type), that converted no checkpoint key: the checkpoint does not have the layout the recipe expects."""
@@ -184,8 +207,52 @@ def _unfired_rules(recipe: Recipe, model, rows) -> list[str]:
         if isinstance(module, PreTrainedModel):
             names |= {type(module).__name__, getattr(module.config, "model_type", None)}
     fired = {r.rule for r in rows if r.direction == "load"}
-    return [repr(rule) for name, rules in recipe.build_conversion_rules().items() if name in names
-            for rule in rules if repr(rule) not in fired]
+    return [_rule_text(rule) for name, rules in recipe.build_conversion_rules().items() if name in names
+            for rule in rules if _rule_text(rule) not in fired]
+
+
+def _config_names(config) -> set[str]:
+    """Registry names that can hold rules for a model of ``config``: its ``model_type``, its architectures and the
+    ``model_type`` of its sub-configs."""
+    names = {getattr(config, "model_type", None), *(getattr(config, "architectures", None) or ())}
+    for key in getattr(config, "sub_configs", None) or {}:
+        names.add(getattr(getattr(config, key, None), "model_type", None))
+    return names - {None, ""}
+
+
+def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info: dict, source_args: str) -> str | None:
+    """The one-line error for a checkpoint already in the layout ``recipe`` converts to (e.g. written by
+    ``modelpatch convert``), or ``None``.
+
+    Such a folder is reported when a converter of the recipe finds no checkpoint key of its source layout but keys
+    of its target layout, and the unpatched load left parameters missing (randomly initialised): comparing with that
+    reference would blame the patch for the checkpoint's layout.
+    """
+    from ..conversion.compose import has_target_layout
+    from ..conversion.rules import WeightConverter, as_modelpatch_rule, match_rule
+
+    missing = sorted(str(k) for k in vanilla_info.get("missing_keys") or ())
+    if not missing:
+        return None
+    names = _config_names(config)
+    keys = checkpoint_keys(model_dir)
+    for name, rules in recipe.build_conversion_rules().items():
+        if name not in names:
+            continue
+        for rule in rules:
+            rule = as_modelpatch_rule(rule)
+            if not isinstance(rule, WeightConverter) or any(match_rule(rule, key) is not None for key in keys):
+                continue
+            converted = next((key for key in keys if has_target_layout(rule, [key])), None)
+            if converted is None:
+                continue
+            sources = ", ".join(rule._original_source_patterns)
+            return (f"'{model_dir}' is already in the converted layout of {recipe.name} (it has '{converted}' and no "
+                    f"key matching {sources}), so the unpatched reference load would leave {len(missing)} parameter(s) "
+                    f"random (e.g. '{missing[0]}') and nothing can be compared; verify the original checkpoint instead, "
+                    f"or write it back first with `modelpatch convert {model_dir} OUT {source_args} --reverse` and "
+                    f"verify OUT")
+    return None
 
 
 def _checks(result: VerifyResult, report) -> list[Check]:
@@ -204,8 +271,9 @@ def _checks(result: VerifyResult, report) -> list[Check]:
         Check("patches", patch_ok, patch_detail),
         Check("loading", not issues, "no new missing/unexpected/mismatched keys" if not issues else
               "; ".join(f"{k}: {v[:3]}{' ...' if len(v) > 3 else ''}" for k, v in issues.items())),
-        Check("provenance", not bad, f"{len(result.provenance) - len(bad)}/{len(result.provenance)} parameters from the "
-              "checkpoint" + ("" if not bad else f"; first not: {bad[0].name} ({bad[0].status}: {bad[0].detail})")),
+        Check("provenance", not bad, f"all {len(result.provenance)} parameters from the checkpoint" if not bad else
+              f"{len(result.provenance) - len(bad)} of {len(result.provenance)} parameters from the checkpoint; first "
+              f"not: {bad[0].name} ({bad[0].status}: {bad[0].detail})"),
         Check("outputs", result.max_abs_diff <= result.atol,
               f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})"),
         Check("round trip", result.round_trip is None, "bit-exact" if result.round_trip is None else
@@ -264,7 +332,7 @@ def _tolerance(text: str) -> float:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify", help="load a checkpoint vanilla and patched; compare weights, outputs and the save round trip",
-        description=__doc__.split("\n\n")[0])
+        description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the built-in tiny Qwen2-MoE)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--recipe", metavar="NAME", help="a recipe of modelpatch.recipes ('a+b' combines)")
@@ -284,7 +352,8 @@ def main(args: argparse.Namespace) -> int:
             checkpoint_dir(args.model)  # a missing folder is named before a missing --recipe
         recipe = resolve_patches(args.recipe, args.patches)
         model_dir = args.model if args.model is not None else example_checkpoint()
+    source_args = f"--patches {args.patches}" if args.patches is not None else f"--recipe {recipe.name}"
     result = run_verify(model_dir, recipe, dtype=args.dtype, atol=args.atol,
-                        progress=False if args.no_progress else None)
+                        progress=False if args.no_progress else None, source_args=source_args)
     print(json.dumps(result.as_dict(), indent=2) if args.json else render(result))
     return 0 if result.ok else EXIT_FAILED_CHECK

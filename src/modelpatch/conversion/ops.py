@@ -12,14 +12,16 @@ for any dtype, and they also run on ``meta`` tensors (used to check shapes befor
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import core_model_loading as _tcml
 
+from ..errors import ModelpatchTypeError
 from .errors import ConversionError
 
-__all__ = ["Chunk", "Concatenate", "MergeModulelist", "SplitModulelist", "Transpose", "as_modelpatch_op"]
+__all__ = ["Chunk", "Concatenate", "MergeModulelist", "SplitModulelist", "Transpose", "as_modelpatch_op", "check_operation"]
 
 
 def _single_tensor(input_dict: dict, op: str) -> torch.Tensor:
@@ -181,8 +183,46 @@ _FROM_TRANSFORMERS: Mapping[type, type] = {
 }
 
 
+def _instance_example(cls: type) -> str:
+    """How an instance of operation class ``cls`` is written: ``Concatenate(dim=0)``, ``Foo()``, ``Bar(...)``."""
+    try:
+        parameters = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return f"{cls.__name__}(...)"
+    if any(p.name == "dim" for p in parameters):
+        return f"{cls.__name__}(dim=0)"
+    required = [p for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return f"{cls.__name__}({'...' if required else ''})"
+
+
+def check_operation(op: object) -> None:
+    """Refuse what is not a conversion operation *instance*, naming the fix.
+
+    Raises:
+        TypeError: ``op`` is a class (``Concatenate`` instead of ``Concatenate(dim=0)``), or not a Transformers
+            ``ConversionOps`` at all.
+    """
+    if isinstance(op, type):
+        example = _instance_example(op)
+        raise ModelpatchTypeError(
+            f"operation {op.__module__}.{op.__qualname__} is a class, not an instance: write "
+            f"operations=[{example}] instead of operations=[{op.__name__}]"
+        )
+    if not isinstance(op, _tcml.ConversionOps):
+        raise ModelpatchTypeError(
+            f"operation {op!r} ({type(op).__name__}) is not a conversion operation: expected an instance of a "
+            "ConversionOps class such as Concatenate(dim=0), Chunk(dim=0), MergeModulelist(dim=0)"
+        )
+
+
 def as_modelpatch_op(op: _tcml.ConversionOps) -> _tcml.ConversionOps:
-    """Return the modelpatch equivalent of a Transformers operation (exact inverse), or ``op`` itself if none exists."""
+    """Return the modelpatch equivalent of a Transformers operation (exact inverse), or ``op`` itself if none exists.
+
+    Raises:
+        TypeError: ``op`` is an operation class instead of an instance, or not an operation (see
+            :func:`check_operation`).
+    """
+    check_operation(op)
     if isinstance(op, (Chunk, Concatenate, MergeModulelist, SplitModulelist, Transpose)):
         return op
     if type(op) is _tcml.Chunk and getattr(op, "num_shards_attribute", None) is None:

@@ -15,13 +15,14 @@ patched model. ``*`` stands for a module index (``mlp.experts.*.gate_proj.weight
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from transformers import core_model_loading as _tcml
 
 from ..errors import ModelpatchTypeError
 from .errors import ConversionError
-from .ops import as_modelpatch_op
+from .ops import as_modelpatch_op, check_operation
 
 __all__ = ["WeightConverter", "WeightRenaming", "RuleMatch", "match_rule", "pattern_regex", "as_modelpatch_rule"]
 
@@ -78,11 +79,19 @@ class WeightConverter(_BoundaryMatching, _tcml.WeightConverter):
 
     Raises:
         ConversionError: many-to-many patterns, or no operation.
+        TypeError: ``operations`` is not a list, or holds an operation class instead of an instance
+            (``[Concatenate]`` instead of ``[Concatenate(dim=0)]``).
     """
 
     __slots__ = ()
 
     def __init__(self, source_patterns, target_patterns, operations, **kwargs):
+        if isinstance(operations, type):
+            check_operation(operations)  # names the class and the instance to write instead
+        if isinstance(operations, _tcml.ConversionOps):
+            raise ModelpatchTypeError(f"operations must be a list, got one operation: write operations=[{operations!r}]")
+        if isinstance(operations, (str, bytes)) or not isinstance(operations, Iterable):
+            raise ModelpatchTypeError(f"operations must be a list of operation instances, got {operations!r}")
         operations = [as_modelpatch_op(op) for op in operations]
         try:
             super().__init__(source_patterns, target_patterns, operations, **kwargs)
@@ -133,9 +142,17 @@ def as_modelpatch_rule(rule) -> WeightRenaming | WeightConverter:
     if isinstance(rule, (WeightRenaming, WeightConverter)):
         return rule
     if type(rule) is _tcml.WeightRenaming:
-        return WeightRenaming(list(rule._original_source_patterns), list(rule._original_target_patterns))
-    if type(rule) is _tcml.WeightConverter:
-        return WeightConverter(
-            list(rule._original_source_patterns), list(rule._original_target_patterns), list(rule.operations)
+        rebuilt = WeightRenaming(list(rule._original_source_patterns), list(rule._original_target_patterns))
+    elif type(rule) is _tcml.WeightConverter:
+        rebuilt = WeightConverter(
+            list(rule._original_source_patterns), list(rule._original_target_patterns), list(rule.operations),
+            force_cpu=getattr(rule, "force_cpu", False),
         )
+    else:
+        rebuilt = None
+    if rebuilt is not None:
+        # what the user set on the Transformers rule keeps applying (a rule scoped to a sub-model stays scoped)
+        rebuilt.scope_prefix = getattr(rule, "scope_prefix", None)
+        rebuilt.base_model_prefix = getattr(rule, "base_model_prefix", None)
+        return rebuilt
     raise ModelpatchTypeError(f"expected a WeightRenaming or WeightConverter, got {type(rule).__name__}: {rule!r}")

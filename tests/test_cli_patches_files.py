@@ -1,0 +1,351 @@
+"""The command line with patches files written like the founding document (registrations at import, Transformers'
+rule classes, helper modules beside the file), converted and broken checkpoint folders, and the small things
+(``--version``, ``--help`` text, messages).
+
+Every test runs the real ``modelpatch.cli.main`` on tiny real checkpoints (llama, hidden 64, 2 layers, GQA, q/k/v
+biases) saved once per module.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import sys
+import textwrap
+
+import pytest
+import torch
+from recipes_support import save_case, tensors
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import conversion_mapping as transformers_conversion
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from modelpatch import apply_patches, get_patch_mapping, register_patch_mapping
+from modelpatch.cli import main
+from modelpatch.cli.inputs import model_inputs
+from modelpatch.conversion import registry as conversion_registry
+
+SCALE = 1.5
+
+
+class ScaledAttention(LlamaAttention):
+    """The patch under test in several files: attention output times ``SCALE`` (changes the logits)."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * SCALE, weights
+
+
+SCALED_CLASS = f"""
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+class ScaledAttention(LlamaAttention):
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * {SCALE}, weights
+"""
+
+# the founding document's way: registrations at import, Transformers' rule classes, a helper module beside the file
+FOUNDING_STYLE = """
+from transformers import Concatenate, WeightConverter
+from modelpatch import register_checkpoint_conversion_mapping, register_patch_mapping
+from {helper} import MyAttention
+
+register_patch_mapping(mapping={{"LlamaAttention": MyAttention}})
+register_checkpoint_conversion_mapping(
+    model_type_or_class_name="llama",
+    mapping=[WeightConverter(source_patterns=["q_proj", "k_proj", "v_proj"], target_patterns=["qkv_proj"],
+                             operations=[Concatenate(dim=0)])],
+    overwrite=True,
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return save_case("llama-fused-qkv", tmp_path_factory.mktemp("llama") / "ck")
+
+
+@pytest.fixture(scope="module")
+def expected_scaled_diff(llama) -> float:
+    """Max abs difference of the logits that ``ScaledAttention`` really causes, on the input verify uses."""
+    inputs, _ = model_inputs(llama, AutoConfig.from_pretrained(llama))
+    vanilla = AutoModelForCausalLM.from_pretrained(llama).eval()
+    with apply_patches({"LlamaAttention": ScaledAttention}):
+        scaled = AutoModelForCausalLM.from_pretrained(llama).eval()
+    with torch.no_grad():
+        return float((scaled(**inputs).logits - vanilla(**inputs).logits).abs().max())
+
+
+def write(path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def run_json(capsys, argv) -> tuple[int, dict]:
+    code = main([*argv, "--json"])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, json.loads(captured.out)
+
+
+def one_line_error(capsys, argv) -> str:
+    """Run ``argv``, which must fail with exit status 2 and one line on stderr; returns that line."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("modelpatch: error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+def user_conversion_names() -> set[str]:
+    with conversion_registry._lock:
+        return set(conversion_registry._global)
+
+
+# -- defect: patches registered at import patched the reference load too (false PASS) ---------------------------
+
+@pytest.mark.parametrize("style", ["registers", "defines and registers"])
+def test_registered_patch_that_changes_the_outputs_fails(style, llama, expected_scaled_diff, tmp_path, capsys):
+    """``register_patch_mapping`` at import used to patch the reference load as well: "max abs diff 0", PASS."""
+    body = SCALED_CLASS + "\nfrom modelpatch import register_patch_mapping\n"
+    body += "register_patch_mapping({'LlamaAttention': ScaledAttention})\n"
+    if style == "defines and registers":
+        body += "PATCH_MAPPING = {'LlamaAttention': ScaledAttention}\n"
+    patches = write(tmp_path / "scaled.py", body)
+    code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
+    assert code == 1 and report["ok"] is False
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["patches"]["ok"] and checks["patches"]["detail"] == "2 module(s) replaced"
+    assert checks["outputs"]["ok"] is False
+    assert expected_scaled_diff > 0.05
+    assert report["output"]["max_abs_diff"] == pytest.approx(expected_scaled_diff, rel=1e-5)
+    assert f"max abs diff of logits {expected_scaled_diff:.3g}" in checks["outputs"]["detail"]
+    assert get_patch_mapping() == {}  # what the file registered is gone again
+
+
+def test_founding_style_file_passes_and_leaves_the_process_as_it_was(llama, tmp_path, capsys):
+    """Registrations at import + Transformers' WeightConverter/Concatenate + a helper module beside the file."""
+    write(tmp_path / "patches" / "founding_helpers_a.py",
+          "from modelpatch.recipes.attention import FusedQKVLlamaAttention as MyAttention\n")
+    patches = write(tmp_path / "patches" / "founding.py", FOUNDING_STYLE.format(helper="founding_helpers_a"))
+    path_before = list(sys.path)
+    code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
+    assert code == 0, report["checks"]
+    assert report["rules_that_matched_nothing"] == []
+    assert report["output"]["max_abs_diff"] <= 1e-5
+    loads = sorted(r["target_keys"][0] for r in report["conversion_report"] if r["direction"] == "load")
+    assert loads == [f"model.layers.{i}.self_attn.qkv_proj.{p}" for i in (0, 1) for p in ("bias", "weight")]
+    provenance = next(c["detail"] for c in report["checks"] if c["name"] == "provenance")
+    assert provenance == f"all {len(report['provenance'])} parameters from the checkpoint"  # not "17/17"
+    # the process is left as it was: registries, sys.path, the helper module
+    assert get_patch_mapping() == {} and user_conversion_names() == set()
+    assert sys.path == path_before
+    assert [name for name in sys.modules if name.startswith(("founding_helpers", "modelpatch_patches_"))] == []
+
+
+def test_reference_load_ignores_what_the_caller_registered(llama, capsys):
+    """In-process, a registration made before ``main()`` is out of force during the command and back after it."""
+    register_patch_mapping({"LlamaAttention": ScaledAttention})
+    code, report = run_json(capsys, ["verify", "--model", llama, "--recipe", "llama-fused-qkv", "--no-progress"])
+    assert code == 0, report["checks"]
+    assert report["output"]["max_abs_diff"] <= 1e-5
+    assert get_patch_mapping() == {"LlamaAttention": ScaledAttention}
+
+
+def test_explain_takes_what_the_file_registers(tmp_path, capsys):
+    patches = write(tmp_path / "scaled.py", SCALED_CLASS + "\nfrom modelpatch import register_patch_mapping\n"
+                    "register_patch_mapping({'LlamaAttention': ScaledAttention})\n")
+    code, report = run_json(capsys, ["explain", "--model-type", "llama", "--patches", patches])
+    assert code == 0
+    layers = LlamaConfig().num_hidden_layers  # --model-type: the default config
+    assert report["replaced"] == {"LlamaAttention": {"LlamaAttention -> ScaledAttention": layers}}
+    assert get_patch_mapping() == {}
+
+
+def test_a_file_that_defines_and_registers_nothing_is_an_error(tmp_path, capsys):
+    patches = write(tmp_path / "nothing.py", "import modelpatch\nX = 1\n")
+    err = one_line_error(capsys, ["explain", "--model-type", "llama", "--patches", patches])
+    assert f"{patches} defines no PATCH_MAPPING dict (or RECIPE) and registers nothing" in err
+
+
+def test_registrations_into_transformers_own_registries_are_refused_and_undone(tmp_path, capsys):
+    """Transformers applies its own registries to every load, the reference included: refused, and undone."""
+    patches = write(tmp_path / "transformers_registry.py", """
+        from transformers import Concatenate, WeightConverter
+        from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+        register_checkpoint_conversion_mapping("llama", [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"],
+                                                                         [Concatenate(dim=0)])], overwrite=True)
+    """)
+    users_before = set(transformers_conversion.USER_REGISTERED_MAPPINGS)
+    try:
+        err = one_line_error(capsys, ["explain", "--model-type", "llama", "--patches", patches])
+    finally:
+        leaked = set(transformers_conversion.USER_REGISTERED_MAPPINGS) - users_before
+        for name in leaked:  # keep later tests clean even when this one fails
+            transformers_conversion.USER_REGISTERED_MAPPINGS.discard(name)
+            transformers_conversion._checkpoint_conversion_mapping_cache.pop(name, None)
+    assert "registers into Transformers' own registries (register_checkpoint_conversion_mapping('llama'))" in err
+    assert "from modelpatch import register_patch_mapping, register_checkpoint_conversion_mapping" in err
+    assert leaked == set() and transformers_conversion.get_checkpoint_conversion_mapping("llama") is None
+
+
+# -- defect: Transformers' rule classes counted as "matched no checkpoint key" -----------------------------------
+
+TRANSFORMERS_RULE = ('WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])')
+
+
+@pytest.mark.parametrize("form", ["CONVERSION_RULES", "RECIPE"])
+def test_transformers_rule_classes_count_as_matched(form, llama, tmp_path, capsys):
+    header = ("from transformers.core_model_loading import WeightConverter, Concatenate\n"
+              "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n")
+    if form == "CONVERSION_RULES":
+        body = ("PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
+                f"CONVERSION_RULES = {{'llama': [{TRANSFORMERS_RULE}]}}\n")
+    else:
+        body = ("from modelpatch.recipes import Recipe, RuleSpec\n"
+                "RECIPE = Recipe('mine', 'fused qkv', {'LlamaAttention': FusedQKVLlamaAttention},\n"
+                f"                {{'llama': RuleSpec(lambda: [{TRANSFORMERS_RULE}])}})\n")
+    patches = write(tmp_path / "rules.py", header + body)
+    code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
+    assert code == 0, report["checks"]
+    assert report["rules_that_matched_nothing"] == []
+    assert len([r for r in report["conversion_report"] if r["direction"] == "load"]) == 4  # 2 layers x weight, bias
+
+
+def test_convert_with_transformers_rule_classes(llama, tmp_path, capsys):
+    patches = write(tmp_path / "rules.py", "from transformers import WeightConverter, Concatenate\n"
+                    "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+                    "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
+                    f"CONVERSION_RULES = {{'llama': [{TRANSFORMERS_RULE}]}}\n")
+    fused, back = tmp_path / "fused", tmp_path / "back"
+    assert main(["convert", llama, str(fused), "--patches", patches]) == 0
+    assert main(["convert", str(fused), str(back), "--patches", patches, "--reverse"]) == 0
+    original, converted, restored = tensors(llama), tensors(fused), tensors(back)
+    assert torch.equal(converted["model.layers.1.self_attn.qkv_proj.bias"],
+                       torch.cat([original[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"]))
+    assert sorted(restored) == sorted(original) and all(torch.equal(restored[k], original[k]) for k in original)
+    assert "converted" in capsys.readouterr().out
+
+
+# -- defect: a helper module beside the patches file was not importable -------------------------------------------
+
+def test_helper_module_beside_the_file(tmp_path, capsys):
+    """Imported at the top of the file and, later, inside the replacement's ``__init__`` (while the model is built)."""
+    write(tmp_path / "pkg" / "beside_helpers_b.py", """
+        from modelpatch.recipes.attention import FusedQKVLlamaAttention
+
+        class MyAttention(FusedQKVLlamaAttention):
+            def __init__(self, *args, **kwargs):
+                from beside_helpers_c import SUFFIX  # imported late, while the model is built
+                super().__init__(*args, **kwargs)
+                self.suffix = SUFFIX
+    """)
+    write(tmp_path / "pkg" / "beside_helpers_c.py", "SUFFIX = 'late import ok'\n")
+    patches = write(tmp_path / "pkg" / "uses_helper.py",
+                    "from beside_helpers_b import MyAttention\nPATCH_MAPPING = {'LlamaAttention': MyAttention}\n")
+    path_before = list(sys.path)
+    code, report = run_json(capsys, ["explain", "--model-type", "llama", "--patches", patches])
+    assert code == 0
+    assert report["replaced"] == {"LlamaAttention": {"LlamaAttention -> MyAttention": LlamaConfig().num_hidden_layers}}
+    assert sys.path == path_before
+    assert "beside_helpers_b" not in sys.modules and "beside_helpers_c" not in sys.modules
+
+
+# -- defect: verify on a folder written by `modelpatch convert` ---------------------------------------------------
+
+def test_verify_on_a_converted_folder_says_so(llama, tmp_path, capsys):
+    fused = str(tmp_path / "fused")
+    assert main(["convert", llama, fused, "--recipe", "llama-fused-qkv"]) == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, ["verify", "--model", fused, "--recipe", "llama-fused-qkv", "--no-progress"])
+    assert f"'{fused}' is already in the converted layout of llama-fused-qkv" in err
+    assert "(it has 'model.layers.0.self_attn.qkv_proj.bias' and no key matching self_attn.q_proj" in err
+    assert "the unpatched reference load would leave 12 parameter(s) random" in err  # q/k/v weight+bias x 2 layers
+    assert f"verify the original checkpoint instead, or write it back first with `modelpatch convert {fused} OUT " \
+           "--recipe llama-fused-qkv --reverse`" in err
+
+
+# -- defect: tracebacks instead of one-line errors ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sharded(llama, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("sharded") / "ck"
+    AutoModelForCausalLM.from_pretrained(llama).save_pretrained(path, max_shard_size="100KB")
+    return str(path)
+
+
+def _shards(folder) -> list[str]:
+    with open(os.path.join(folder, "model.safetensors.index.json")) as fh:
+        return sorted(set(json.load(fh)["weight_map"].values()))
+
+
+@pytest.mark.parametrize("command", ["explain", "verify"])
+def test_index_naming_a_missing_shard(command, sharded, tmp_path, capsys):
+    broken = shutil.copytree(sharded, tmp_path / "broken")
+    shards = _shards(broken)
+    assert len(shards) > 1
+    os.remove(broken / shards[1])
+    err = one_line_error(capsys, [command, "--model", str(broken), "--recipe", "llama-fused-qkv"])
+    assert f"'{broken / 'model.safetensors.index.json'}' names shard '{shards[1]}', which is not in '{broken}'" in err
+
+
+def test_index_without_metadata(sharded, tmp_path, capsys):
+    """Transformers reads ``index["metadata"]``: this used to end in ``KeyError: 'metadata'``."""
+    broken = shutil.copytree(sharded, tmp_path / "broken")
+    index = broken / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": json.loads(index.read_text())["weight_map"]}))
+    err = one_line_error(capsys, ["verify", "--model", str(broken), "--recipe", "llama-fused-qkv"])
+    assert f"'{index}' has no \"metadata\" dict" in err
+
+
+def test_explain_on_a_truncated_safetensors_file(llama, tmp_path, capsys):
+    broken = shutil.copytree(llama, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    err = one_line_error(capsys, ["explain", "--model", str(broken), "--recipe", "llama-fused-qkv"])
+    assert f"'{weights}' is not a readable safetensors file (truncated or corrupt?)" in err
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_unusable_cache_folder(where, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    cache = blocker if where == "a file" else blocker / "cache"
+    monkeypatch.setenv("MODELPATCH_CACHE", str(cache))
+    err = one_line_error(capsys, ["verify", "--no-progress"])
+    assert f"cache folder '{cache}' (MODELPATCH_CACHE)" in err and "set MODELPATCH_CACHE to a writable folder" in err
+
+
+# -- clearer messages -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["CONVERSION_RULES", "registration"])
+def test_operation_class_instead_of_instance(where, tmp_path, capsys):
+    rule = 'WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate])'
+    body = ("from transformers import WeightConverter, Concatenate\n"
+            "from modelpatch import register_checkpoint_conversion_mapping\n"
+            "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+            "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n")
+    body += (f"CONVERSION_RULES = {{'llama': [{rule}]}}\n" if where == "CONVERSION_RULES" else
+             f"register_checkpoint_conversion_mapping('llama', [{rule}])\n")
+    patches = write(tmp_path / "op_class.py", body)
+    err = one_line_error(capsys, ["explain", "--model-type", "llama", "--patches", patches])
+    assert ("operation transformers.core_model_loading.Concatenate is a class, not an instance: write "
+            "operations=[Concatenate(dim=0)] instead of operations=[Concatenate]") in err
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"modelpatch {importlib.metadata.version('modelpatch')}"
+
+
+@pytest.mark.parametrize("command", [[], ["verify"], ["explain"], ["convert"], ["recipes"]])
+def test_help_has_no_rest_markup(command, capsys):
+    assert main([*command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: modelpatch")
+    assert "``" not in out and not re.search(r":[a-z]+:`", out), out
