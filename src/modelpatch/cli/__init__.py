@@ -11,8 +11,18 @@ Each subcommand runs in a fresh ``contextvars`` context (no ``apply_patches`` bl
 inside a :class:`~.sandbox.CommandSandbox` (nothing registered process-wide applies, and what a patches file
 registers is taken back afterwards), so ``verify``'s reference load is always the unpatched model.
 
-Subcommands live in their own modules (:mod:`.verify`, :mod:`.explain`, :mod:`.convert`); each exposes
-``add_parser(subparsers)`` and a ``main(args) -> int``.
+Modules: the subcommands (each exposes ``add_parser(subparsers)`` and ``main(args) -> int``) and what they share:
+
+``verify``      patched load vs unpatched reference: patches, loading, provenance, outputs, round trip
+``explain``     dry run on the meta device: what would be replaced and converted, no weight read
+``convert``     :func:`~modelpatch.convert_checkpoint` from the command line
+``sources``     where the patches come from: ``--recipe``, ``--patches FILE|MODULE`` (defined or registered)
+``sandbox``     every command runs with nothing registered process-wide in force, and restores it afterwards
+``checkpoint``  reading a checkpoint folder (config, safetensors headers, index) with one-line errors
+``inputs``      deterministic inputs and the generated default checkpoint (``$MODELPATCH_CACHE``)
+``provenance``  every parameter compared by value with the checkpoint tensor it came from
+``render``      tables, JSON and plain-text help
+``errors``      :class:`CliError` and the exit codes
 """
 
 from __future__ import annotations

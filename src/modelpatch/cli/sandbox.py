@@ -29,8 +29,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..conversion import register_checkpoint_conversion_mapping, unregister_checkpoint_conversion_mapping
-from ..conversion import registry as _conversion_registry
-from ..conversion.registry import RuleSet
+from ..conversion.registry import RuleSet, registered_conversion_mappings
 from ..patching.registry import get_patch_mapping, register_patch_mapping, set_strict_patching, unregister_patch_mapping
 
 __all__ = ["Registrations", "current_registrations", "set_registrations", "registered_between",
@@ -49,15 +48,9 @@ class Registrations:
         return bool(self.patch_mapping or self.conversion)
 
 
-def _global_rulesets() -> dict[str, RuleSet]:
-    # The conversion registry has no public listing of its global entries; read them under its lock.
-    with _conversion_registry._lock:
-        return dict(_conversion_registry._global)
-
-
 def current_registrations() -> Registrations:
     """What is registered process-wide now (scoped ``apply_patches`` blocks are not part of it)."""
-    return Registrations(get_patch_mapping(), _global_rulesets())
+    return Registrations(get_patch_mapping(), registered_conversion_mappings())
 
 
 def registered_between(before: Registrations, after: Registrations) -> Registrations:

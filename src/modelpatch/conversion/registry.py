@@ -27,6 +27,7 @@ __all__ = [
     "register_checkpoint_conversion_mapping",
     "get_checkpoint_conversion_mapping",
     "unregister_checkpoint_conversion_mapping",
+    "registered_conversion_mappings",
     "apply_conversion_rules",
     "lookup",
     "has_rules",
@@ -141,6 +142,13 @@ def unregister_checkpoint_conversion_mapping(model_type_or_class_name: str, *, m
                 f"No conversion mapping registered for '{model_type_or_class_name}'; registered: {sorted(_global)}"
             )
         del _global[model_type_or_class_name]
+
+
+def registered_conversion_mappings() -> dict[str, RuleSet]:
+    """The user rules registered globally now: ``{model_type or class name: RuleSet}`` in registration order (a
+    copy; scoped :func:`apply_conversion_rules` blocks are not part of it, Transformers' built-ins neither)."""
+    with _lock:
+        return dict(_global)
 
 
 def clear_checkpoint_conversion_mappings() -> None:
