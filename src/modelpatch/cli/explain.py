@@ -9,6 +9,8 @@ conversion rules in force for the ``model_type`` (the recipe's and the built-in 
 
 from __future__ import annotations
 
+from typing import Any
+
 import argparse
 import json
 import os
@@ -32,6 +34,8 @@ def _config(model_dir: str | None, model_type: str | None):
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise CliError(f"'{model_dir}' is not a checkpoint: no config.json")
         return read_config(model_dir)
+    if model_type is None:
+        raise CliError("give --model DIR or --model-type TYPE")
     try:
         return AutoConfig.for_model(model_type)
     except ValueError:
@@ -41,7 +45,7 @@ def _config(model_dir: str | None, model_type: str | None):
 def _build_on_meta(config):
     import transformers
 
-    cls = model_class(config)
+    cls: Any = model_class(config)
     with torch.device("meta"):
         if cls is transformers.AutoModel:
             return transformers.AutoModel.from_config(config)

@@ -35,7 +35,7 @@ def model_inputs(model_dir: str, config) -> tuple[dict, str]:
             tokenizer.pad_token = tokenizer.eos_token
         encoded = tokenizer(list(SENTENCES), padding=True, return_tensors="pt")
         return dict(encoded), f"{len(SENTENCES)} sentences through the model's tokenizer"
-    vocab = int(getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", 100))
+    vocab = int(getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None) or 100)
     ids = (torch.arange(24).reshape(2, 12) * 7 + 3) % vocab
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "fixed token ids (2, 12)"
 

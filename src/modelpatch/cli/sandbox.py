@@ -24,6 +24,8 @@ The registries are process-wide: another thread loading a model while a command 
 
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import sys
 from dataclasses import dataclass, field
@@ -132,7 +134,7 @@ class TransformersRegistries:
         if self.conversion_table is None:
             conversion_mapping._checkpoint_conversion_mapping_cache = None
         elif conversion_mapping._checkpoint_conversion_mapping_cache is None:
-            conversion_mapping._checkpoint_conversion_mapping_cache = dict(self.conversion_table)
+            conversion_mapping._checkpoint_conversion_mapping_cache = dict(self.conversion_table)  # type: ignore[assignment]
         else:
             table = conversion_mapping._checkpoint_conversion_mapping_cache
             for name in set(table) - set(self.conversion_table):
@@ -190,7 +192,8 @@ class CommandSandbox:
         _ACTIVE.remove(self)
         try:
             set_registrations(self._saved)
-            self._saved_transformers.restore()
+            if self._saved_transformers is not None:
+                self._saved_transformers.restore()
         finally:
             set_strict_patching(self._strict)
             self._forget_imports()

@@ -24,6 +24,7 @@ are left as they were.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import os
@@ -79,6 +80,8 @@ def _import(source: str):
             raise CliError(f"patches file '{source}' does not exist")
         name = f"modelpatch_patches_{uuid.uuid4().hex}"
         spec = importlib.util.spec_from_file_location(name, source)
+        if spec is None or spec.loader is None:
+            raise CliError(f"patches file '{source}' cannot be imported as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look the module up
         sandbox = active_sandbox()
@@ -196,8 +199,7 @@ def recipe_from_namespace(namespace: Mapping, label: str, registered: Registrati
                            f"the file registers {cls.__name__} for it; keep one")
         mapping[key] = cls
     conversion = {
-        name: RuleSpec(lambda rules=tuple(value): [as_modelpatch_rule(copy.deepcopy(r)) for r in rules],
-                       name in overwrite_names)
+        name: RuleSpec(functools.partial(_fresh_rules, tuple(value)), name in overwrite_names)
         for name, value in rules.items()
     }
     for name, ruleset in registered.conversion.items():
@@ -214,6 +216,11 @@ def recipe_from_namespace(namespace: Mapping, label: str, registered: Registrati
     return Recipe(name=label, description=f"patches from {label}", patch_mapping=mapping, conversion=conversion)
 
 
+def _fresh_rules(rules: tuple) -> list:
+    """New modelpatch rule instances (a recipe hands out fresh rules per application)."""
+    return [as_modelpatch_rule(copy.deepcopy(r)) for r in rules]
+
+
 def resolve_patches(recipe: str | None, patches: str | None) -> Recipe:
     """The recipe named ``recipe``, or the one a patches module/file defines.
 
@@ -227,11 +234,11 @@ def resolve_patches(recipe: str | None, patches: str | None) -> Recipe:
             raise CliError(str(exc)) from None
     if patches is not None:
         module, registered = _load_module(patches)
-        recipe = recipe_from_namespace(vars(module), patches, registered)
+        from_file = recipe_from_namespace(vars(module), patches, registered)
         try:  # validates the mapping and the rules (types, regexes) before anything is loaded
-            with recipe.apply():
+            with from_file.apply():
                 pass
         except (TypeError, ValueError) as exc:
             raise CliError(f"{patches}: invalid patches: {str(exc).splitlines()[0]}") from None
-        return recipe
+        return from_file
     raise CliError("give --recipe NAME or --patches MODULE_OR_FILE")

@@ -18,6 +18,8 @@ failed checks: the reference load would leave parameters random there (:func:`co
 
 from __future__ import annotations
 
+from typing import Any
+
 import argparse
 import json
 import math
@@ -128,7 +130,7 @@ def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: 
     torch_dtype = DTYPES[dtype]
     atol = atol if atol is not None else (1e-5 if torch_dtype == torch.float32 else 2e-2)
     config = read_config(model_dir)
-    cls = model_class(config)
+    cls: Any = model_class(config)
     result = VerifyResult(model_dir, recipe.name, cls.__name__, dtype, atol=atol)
     steps = tqdm(total=6, desc="modelpatch verify", unit="step", disable=None if progress is None else not progress,
                  leave=False)

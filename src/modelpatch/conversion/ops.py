@@ -147,12 +147,12 @@ class SplitModulelist(_tcml.SplitModulelist):
     def __repr__(self):
         return f"SplitModulelist(dim={self.dim})"
 
-    @torch.no_grad()
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):  # type: ignore[override]
         # Own storage per piece: safetensors refuses tensors sharing memory, and a per-module parameter should not
         # keep the whole stacked tensor alive.
-        pieces = super().convert(input_dict, source_patterns, target_patterns, **kwargs)
-        return {name: piece.clone() for name, piece in pieces.items()}
+        with torch.no_grad():
+            pieces = super().convert(input_dict, source_patterns, target_patterns, **kwargs)  # type: ignore[call-arg]
+            return {name: piece.clone() for name, piece in pieces.items()}
 
     @property
     def reverse_op(self) -> MergeModulelist:
@@ -230,5 +230,5 @@ def as_modelpatch_op(op: _tcml.ConversionOps) -> _tcml.ConversionOps:
     if type(op) is _tcml.Transpose and not op.check_dims:
         return Transpose(op.dim0, op.dim1)
     if type(op) in _FROM_TRANSFORMERS and getattr(op, "num_shards_attribute", None) is None:
-        return _FROM_TRANSFORMERS[type(op)](op.dim)
+        return _FROM_TRANSFORMERS[type(op)](op.dim)  # type: ignore[attr-defined]  # every class of the table has dim
     return op

@@ -14,6 +14,8 @@ patched model. ``*`` stands for a module index (``mlp.experts.*.gate_proj.weight
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,14 +44,14 @@ def pattern_regex(pattern: str) -> str:
 class _BoundaryMatching:
     __slots__ = ()
 
-    def _compile_boundaries(self) -> None:
+    def _compile_boundaries(self: Any) -> None:
         branches = [
             f"(?P<g{i}>{pattern_regex(p)})"
             for i, p in sorted(enumerate(self.source_patterns), key=lambda item: -len(item[1]))
         ]
         self.compiled_sources = re.compile("|".join(branches))
 
-    def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+    def rename_source_key(self: Any, source_key: str) -> tuple[str, str | None]:
         match = match_rule(self, source_key)
         if match is None:
             return source_key, None
@@ -141,6 +143,7 @@ def as_modelpatch_rule(rule) -> WeightRenaming | WeightConverter:
     """
     if isinstance(rule, (WeightRenaming, WeightConverter)):
         return rule
+    rebuilt: WeightRenaming | WeightConverter | None
     if type(rule) is _tcml.WeightRenaming:
         rebuilt = WeightRenaming(list(rule._original_source_patterns), list(rule._original_target_patterns))
     elif type(rule) is _tcml.WeightConverter:

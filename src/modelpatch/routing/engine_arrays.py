@@ -147,7 +147,8 @@ def split_sequences(routed_experts, attention_mask=None) -> list[torch.Tensor]:
                 "unpadded; pass the padded batch as one array (batch, seq_len, num_layers, top_k) with its "
                 "attention_mask, or the list without attention_mask"
             )
-        return [_check_sequence(_as_int64(a, f"sequence {i}"), i) for i, a in enumerate(routed_experts)]
+        sequences = [_as_int64(a, f"sequence {i}") for i, a in enumerate(routed_experts)]
+        return [_check_sequence(s, i) for i, s in enumerate(sequences) if s is not None]
     if t.dim() == 3:
         return [t]
     if t.dim() != 4:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from contextvars import ContextVar
 from typing import NamedTuple
 
@@ -136,7 +137,7 @@ def active_frames() -> tuple[RecomputeFrame | None, list[RecomputeFrame]]:
     """``(source, originals)``: the innermost frame being recomputed (``None`` if none), and the frames inside
     it running their original forward (they record whatever the router uses now)."""
     node = _ACTIVE.get()
-    originals = []
+    originals: list[RecomputeFrame] = []
     while node is not None:
         if node.recompute:
             return node.frame, originals
@@ -153,7 +154,7 @@ def bind_checkpoint_fn(fn):
     def checkpoint_bound(function, *args, **kwargs):
         return fn(RecomputeFrame(function).run, *args, **kwargs)
 
-    checkpoint_bound.__wrapped__ = fn
+    checkpoint_bound.__wrapped__ = fn  # type: ignore[attr-defined]
     setattr(checkpoint_bound, _BOUND, True)
     return checkpoint_bound
 
@@ -191,7 +192,7 @@ def unbound_checkpoint_on_stack() -> bool:
         _CKPT_CODES = _checkpoint_codes()
     codes = _CKPT_CODES
     pending = 0
-    f = sys._getframe(1)
+    f: types.FrameType | None = sys._getframe(1)
     while f is not None:
         code = f.f_code
         if code is _RUN_CODE:

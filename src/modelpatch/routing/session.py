@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -510,11 +510,11 @@ _ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_e
 
 def _generation_config(model: nn.Module, args: tuple, kwargs: dict):
     """The generation config ``generate(*args, **kwargs)`` will run with (``None`` if it cannot be read)."""
-    config = kwargs.get("generation_config")
+    config: Any = kwargs.get("generation_config")
     if config is None and len(args) > 1:
         config = args[1]
     rest = {k: v for k, v in kwargs.items() if k not in ("generation_config", "assistant_model", "custom_generate")}
-    prepare = getattr(model, "_prepare_generation_config", None)
+    prepare: Any = getattr(model, "_prepare_generation_config", None)
     try:
         return prepare(config, **rest)[0]
     except Exception:  # noqa: BLE001 - private helper of Transformers: fall back to the plain merge

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -158,7 +158,7 @@ class RoutingTrace:
                 raise RoutingTraceError(f"layer {layer}: num_experts and top_k must both be given")
         self.num_hidden_layers = num_hidden_layers
         self._blocks: dict[int, list[list[_Block]]] = {layer: [] for layer in layers}
-        self._decoded: dict[int, list[torch.Tensor]] = {}
+        self._decoded: dict[Any, Any] = {}  # layer -> decoded rows; ("max", layer) -> largest id
         for layer in layers:
             for seq, idx in enumerate(routes.get(layer, [])):
                 self.append(layer, seq, torch.as_tensor(idx))
@@ -223,7 +223,9 @@ class RoutingTrace:
         for layer, seqs in self._blocks.items():
             for i, blocks in enumerate(seqs):
                 if len(blocks) > 1 or (blocks and blocks[0].ids.device.type != "cpu"):
-                    idx = torch.cat([b.decode().cpu() for b in blocks]) if blocks else None
+                    if not blocks:
+                        continue
+                    idx = torch.cat([b.decode().cpu() for b in blocks])
                     seqs[i] = [_Block.encode(idx, blocks[0].ids.dtype)]
                     self._decoded.pop(layer, None)
 
