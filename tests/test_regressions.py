@@ -168,6 +168,12 @@ def eager_llama():
     return LlamaModel(config)
 
 
+def modelpatch_hooks(model) -> int:
+    """How many forward hooks defined by modelpatch (user output recorders' hooks) ``model`` holds."""
+    return sum(type(hook).__module__.startswith("modelpatch")
+               for m in model.modules() for hook in m._forward_hooks.values())
+
+
 def test_builtin_recorder_name_is_rejected():
     model = eager_llama()
     for name in ("hidden_states", "attentions"):
@@ -184,8 +190,10 @@ def test_reregistering_needs_overwrite_and_replaces_hooks():
         register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaAttention, index=1))
     register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaAttention, index=1), overwrite=True)
     assert [t.shape for t in model(INPUT_IDS, output_x=True).x] == [(1, 4, 8, 8)] * 2
+    assert modelpatch_hooks(model) == 2  # one per attention layer; the MLP hooks were removed
     unregister_output_recorder(model, "x")
-    assert not hasattr(model(INPUT_IDS).__class__, "x")
+    assert "x" not in model(INPUT_IDS, output_x=True)  # asked for, but no longer registered: nothing captured
+    assert modelpatch_hooks(model) == 0  # unregistering removed the hooks it installed, exactly
     with pytest.raises(KeyError):
         unregister_output_recorder(model, "x")
 
@@ -203,7 +211,8 @@ def test_class_level_recorder_reaches_instances_already_used():
         assert len(eager_llama()(INPUT_IDS, output_mlp_out=True).mlp_out) == 2
     finally:
         unregister_output_recorder(LlamaModel, "mlp_out")
-    assert "mlp_out" not in used(INPUT_IDS)
+    assert "mlp_out" not in used(INPUT_IDS, output_mlp_out=True)  # asked for: the class entry is gone
+    assert "mlp_out" not in eager_llama()(INPUT_IDS, output_mlp_out=True)
 
 
 def test_recorders_and_report_survive_deepcopy_and_pickle():
