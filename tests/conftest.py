@@ -1,7 +1,16 @@
+import os
+
 import pytest
+import torch
 
 import modelpatch
 from modelpatch import clear_patch_mapping, set_strict_patching
+
+# Every model here is tiny (hidden size 64): intra-op threads only add overhead, and on a busy 2-core machine their
+# spin-waits made tests several times slower (routing tests: 18 s with one thread, 51-190 s with two). Subprocesses
+# started by tests inherit the setting; set OMP_NUM_THREADS to choose another count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

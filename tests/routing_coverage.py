@@ -1,11 +1,12 @@
 """Coverage of `modelpatch.routing` over every MoE family of the installed Transformers.
 
-Used by tests/test_routing_coverage.py, which regenerates the support table in README.md from it. Run directly to
-rewrite the table: ``python tests/routing_coverage.py --write``.
+Used by tests/test_routing_coverage.py, which checks the support table in README.md against it. Run directly to
+print the table measured with the installed Transformers, ``--write`` to rewrite README.md's table with it.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -20,8 +21,42 @@ from routing_models import ExpertsObserver, perturb_routers, router_weight, tiny
 from modelpatch.routing import find_router_sites, record_routing, replay_routing  # noqa: E402
 from modelpatch.routing.kinds import UNSUPPORTED_FAMILIES  # noqa: E402
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 START, END = "<!-- routing-support:start -->\n", "<!-- routing-support:end -->"
+_ROW = re.compile(r"^\| `([^`]+)` \| ([^|]*) \| (yes|no) \| (.*) \|$")
+
+
+def pinned_release() -> str:
+    """The Transformers release the ``test`` extra pins (what CI installs), read from pyproject.toml."""
+    found = re.findall(r'"transformers==([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert len(found) == 1, f"expected one transformers==X pin in pyproject.toml, found {found}"
+    return found[0]
+
+
+def table_release(table: str) -> str:
+    """The Transformers release a generated table names in its first line."""
+    found = re.search(r"from transformers (\S+);", table.splitlines()[0])
+    assert found, f"not a generated routing support table: {table.splitlines()[0]!r}"
+    return found.group(1)
+
+
+def table_rows(table: str) -> dict[str, tuple[bool, str, str]]:
+    """``{model_type: (supported, router class, kind / reason)}`` of a generated table."""
+    rows = {}
+    for line in table.splitlines():
+        match = _ROW.match(line)
+        if match:
+            rows[match.group(1)] = (match.group(3) == "yes", match.group(2), match.group(4))
+    return rows
+
+
+def save_measured_table(table: str) -> Path:
+    """Write ``table`` to build/routing-support-transformers-<release>.md (ignored by git); returns the path."""
+    path = ROOT / "build" / f"routing-support-transformers-{table_release(table)}.md"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(table, encoding="utf-8")
+    return path
 
 
 def readme_table() -> str:

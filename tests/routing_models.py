@@ -6,16 +6,20 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from helpers import TINY
+
 # Families issue 4 requires, with the per-family config keys that make a tiny model exercise routing.
 REQUIRED_FAMILIES = [
     "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "olmoe", "deepseek_v3",
     "glm4_moe", "gpt_oss", "granitemoe", "jamba", "minimax", "phimoe",
 ]
 
+# Every family's name for each size, set to one tiny value (a config ignores the names it does not have): the shared
+# decoder sizes of helpers.TINY, narrower dense MLPs, 8 experts, top-2.
 _TINY = dict(
-    hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-    max_position_embeddings=256, expert_ffn_hidden_size=32, ffn_hidden_size=64, num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8,
+    TINY, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=16,
+    max_position_embeddings=256, expert_ffn_hidden_size=32, ffn_hidden_size=64, num_experts=8, num_local_experts=8,
+    n_routed_experts=8, moe_num_experts=8,
     num_experts_per_tok=2, moe_topk=2, top_k=2, moe_k=2, n_shared_experts=1, n_group=2, topk_group=1,
     first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
     v_head_dim=16, qk_head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,

@@ -13,27 +13,20 @@ from conversion_models import (
     patched,
     randomize_,
 )
+from helpers import tiny_mixtral_config, tiny_qwen2_moe_config, tiny_qwen3_moe_config
 from transformers import (
     AutoModelForCausalLM,
-    MixtralConfig,
     MixtralForCausalLM,
-    Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
-    Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
 from modelpatch.conversion import apply_conversion_rules
 
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-              num_experts_per_tok=2)
-CASES = {
-    "qwen2_moe": (Qwen2MoeForCausalLM, "Qwen2MoeExperts", lambda: Qwen2MoeConfig(
-        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, **COMMON)),
-    "qwen3_moe": (Qwen3MoeForCausalLM, "Qwen3MoeExperts", lambda: Qwen3MoeConfig(
-        intermediate_size=128, moe_intermediate_size=32, num_experts=4, head_dim=16, **COMMON)),
-    "mixtral": (MixtralForCausalLM, "MixtralExperts", lambda: MixtralConfig(
-        intermediate_size=32, num_local_experts=4, **COMMON)),
+CASES = {  # 4 experts each (the test shifts expert e by 10 * e), GQA
+    "qwen2_moe": (Qwen2MoeForCausalLM, "Qwen2MoeExperts", lambda: tiny_qwen2_moe_config(num_key_value_heads=2)),
+    "qwen3_moe": (Qwen3MoeForCausalLM, "Qwen3MoeExperts", tiny_qwen3_moe_config),
+    "mixtral": (MixtralForCausalLM, "MixtralExperts", tiny_mixtral_config),
 }
 IDS = torch.tensor([[3, 17, 99, 4, 55, 23, 8, 1, 2, 9]])
 

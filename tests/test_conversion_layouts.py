@@ -12,11 +12,10 @@ from conversion_models import (
     clean_conversions,  # noqa: F401 - autouse fixture
     randomize_,
 )
-from helpers import INPUT_IDS, tiny_llama_config, tiny_qwen2_moe_config
+from helpers import INPUT_IDS, tiny_clip_vision_config, tiny_llama_config, tiny_qwen2_moe_config
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
-    CLIPVisionConfig,
     LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -28,8 +27,7 @@ from modelpatch.recipes import get_recipe
 
 
 def _llava_config():
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=32, patch_size=8)
+    vision = tiny_clip_vision_config(num_hidden_layers=1)
     return LlavaConfig(vision_config=vision, text_config=tiny_llama_config(vocab_size=160), image_token_index=150)
 
 

@@ -32,11 +32,16 @@ from modelpatch.conversion.pages import release_pages
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are released on Linux only")
 
 
+def wide_llama_config():
+    """The tiny Llama at hidden size 128: q_proj 128x128 floats = 64 KB (k/v: 32 KB with 2 key/value heads)."""
+    return tiny_llama_config(hidden_size=128)
+
+
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory):
-    """q/k/v of 64 KB each, so every source holds whole pages."""
+    """q of 64 KB, k/v of 32 KB each, so every source holds whole pages."""
     folder = tmp_path_factory.mktemp("llama-wide")
-    randomize_(LlamaForCausalLM(tiny_llama_config(hidden_size=128, num_attention_heads=4))).save_pretrained(folder)
+    randomize_(LlamaForCausalLM(wide_llama_config())).save_pretrained(folder)
     return folder, checkpoint(folder)
 
 
@@ -86,7 +91,7 @@ def test_user_state_dict_tensors_are_never_released(wide_llama):
     _, ck = wide_llama
     state = {k: v.clone() for k, v in ck.items()}
     with patched({"LlamaAttention": FusedQKVAttention}):
-        model = AutoModelForCausalLM.from_config(tiny_llama_config(hidden_size=128, num_attention_heads=4))
+        model = AutoModelForCausalLM.from_config(wide_llama_config())
     load_converted_state_dict(model, state, rules=[QKV_RULE])
     for key, tensor in ck.items():
         assert torch.equal(state[key], tensor), key  # anonymous memory: releasing it would have zeroed it
@@ -135,7 +140,7 @@ def test_slices_a_caller_passes_are_not_released(wide_llama):
     folder, ck = wide_llama
     key = "model.layers.0.self_attn.q_proj.weight"
     with patched({"LlamaAttention": FusedQKVAttention}):
-        model = AutoModelForCausalLM.from_config(tiny_llama_config(hidden_size=128, num_attention_heads=4))
+        model = AutoModelForCausalLM.from_config(wide_llama_config())
     with safe_open(folder / "model.safetensors", framework="pt") as handle:
         mine = handle.get_tensor(key)
         mine.mul_(2)  # copy-on-write pages of the caller's mapping

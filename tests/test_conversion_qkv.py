@@ -16,13 +16,11 @@ from conversion_models import (
     patched,
     randomize_,
 )
+from helpers import tiny_llama_config, tiny_qwen2_config, tiny_qwen2_moe_config
 from transformers import (
     AutoModelForCausalLM,
-    LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
 )
 
@@ -36,23 +34,10 @@ from modelpatch.conversion import (
 IDS = torch.tensor([[3, 17, 99, 4, 55, 23, 8], [1, 2, 3, 4, 5, 6, 7]])
 
 CASES = {
-    "llama-mha": (LlamaForCausalLM, lambda: LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        vocab_size=128)),
-    "llama-gqa": (LlamaForCausalLM, lambda: LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128)),
-    "qwen2-gqa-bias": (Qwen2ForCausalLM, lambda: Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128)),
+    "llama-mha": (LlamaForCausalLM, lambda: tiny_llama_config(num_key_value_heads=4)),
+    "llama-gqa": (LlamaForCausalLM, tiny_llama_config),
+    "qwen2-gqa-bias": (Qwen2ForCausalLM, tiny_qwen2_config),  # qwen2 has q/k/v biases
 }
-
-
-def _qwen2_moe_config(kv_heads):
-    return Qwen2MoeConfig(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads, num_experts=4,
-        num_experts_per_tok=2, vocab_size=128)
 
 
 _SAVED: dict = {}
@@ -95,7 +80,8 @@ def test_fused_qkv_load_and_save(case, tmp_path_factory, tmp_path):
 def test_founding_document_qwen2_moe_example(kv_heads, tmp_path_factory, tmp_path):
     """The seed's full example: per-expert ModuleListExperts + FusedQKVAttention + a Concatenate rule registered
     with overwrite=True over the built-in qwen2_moe rules."""
-    vanilla, folder, ck = saved(tmp_path_factory, f"qwen2moe-{kv_heads}", Qwen2MoeForCausalLM, _qwen2_moe_config(kv_heads))
+    vanilla, folder, ck = saved(tmp_path_factory, f"qwen2moe-{kv_heads}", Qwen2MoeForCausalLM,
+                                tiny_qwen2_moe_config(num_key_value_heads=kv_heads))
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in ck  # Transformers saves the hub (per-expert) layout
     with patched({"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}):
         register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE], overwrite=True)
@@ -119,8 +105,7 @@ def test_device_map_cpu(tmp_path_factory):
 
 
 def test_sharded_dtype_and_tied_embeddings(tmp_path_factory, tmp_path):
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)
+    config = tiny_llama_config(tie_word_embeddings=True)
     vanilla, folder, ck = saved(tmp_path_factory, "llama-tied-sharded", LlamaForCausalLM, config, max_shard_size="40KB")
     assert (folder / "model.safetensors.index.json").exists()
     model = _load_fused(folder, "LlamaAttention", "llama", dtype=torch.bfloat16)

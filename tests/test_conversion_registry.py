@@ -18,7 +18,8 @@ from conversion_models import (
     patched,
     randomize_,
 )
-from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from helpers import tiny_qwen2_moe_config
+from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
 from transformers import conversion_mapping as tcm
 
 from modelpatch import apply_patches
@@ -38,11 +39,7 @@ from modelpatch.conversion import (
 @pytest.fixture(scope="module")
 def qwen2_moe(tmp_path_factory):
     """Vanilla qwen2_moe saved by Transformers (hub layout: one tensor per expert)."""
-    config = Qwen2MoeConfig(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-        vocab_size=128)
-    model = randomize_(Qwen2MoeForCausalLM(config))
+    model = randomize_(Qwen2MoeForCausalLM(tiny_qwen2_moe_config(num_key_value_heads=2)))
     folder = tmp_path_factory.mktemp("qwen2moe")
     model.save_pretrained(folder)
     return model, folder, checkpoint(folder)

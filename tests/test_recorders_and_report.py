@@ -211,7 +211,6 @@ def test_user_recorder_follows_a_non_subclass_replacement():
     from transformers import Qwen2MoeModel
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
-    from helpers import tiny_qwen2_moe_config
     from modelpatch import OutputRecorder, register_output_recorder
 
     class ReimplementedRouter(nn.Module):

@@ -7,12 +7,19 @@ import pickle
 import pytest
 import torch
 import torch.nn as nn
-from transformers import GPT2Config, GPT2Model, LlamaForCausalLM, LlamaModel, MistralConfig, MistralModel
+from transformers import GPT2Model, LlamaForCausalLM, LlamaModel, MistralModel
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.pytorch_utils import Conv1D
 
-from helpers import INPUT_IDS, save_tiny, tiny_llama_config
+from helpers import (
+    INPUT_IDS,
+    save_tiny,
+    tiny_gpt2_config,
+    tiny_llama_config,
+    tiny_mistral_config,
+    tiny_qwen2_moe_config,
+)
 from modelpatch import (
     OutputRecorder,
     apply_patches,
@@ -37,8 +44,7 @@ class Attention(modeling_llama.LlamaAttention):
 
 
 def mistral_config():
-    kwargs = {k: v for k, v in tiny_llama_config().to_dict().items() if k in MistralConfig().to_dict()}
-    return MistralConfig(mlp_bias=False, **kwargs)  # mlp_bias: LlamaMLP reads it when swapped in
+    return tiny_mistral_config(mlp_bias=False)  # mlp_bias: LlamaMLP reads it when swapped in
 
 
 def test_a_replacement_class_can_itself_be_patched():
@@ -143,7 +149,7 @@ def test_gpt2_conv1d_is_patchable():
 
     register_patch_mapping({"Conv1D": QuantConv1D})
     with apply_patches():
-        model = GPT2Model(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64))
+        model = GPT2Model(tiny_gpt2_config())
     assert type(model.h[0].attn.c_attn) is QuantConv1D
 
 
@@ -168,6 +174,12 @@ def eager_llama():
     return LlamaModel(config)
 
 
+def modelpatch_hooks(model) -> int:
+    """How many forward hooks defined by modelpatch (user output recorders' hooks) ``model`` holds."""
+    return sum(type(hook).__module__.startswith("modelpatch")
+               for m in model.modules() for hook in m._forward_hooks.values())
+
+
 def test_builtin_recorder_name_is_rejected():
     model = eager_llama()
     for name in ("hidden_states", "attentions"):
@@ -184,8 +196,10 @@ def test_reregistering_needs_overwrite_and_replaces_hooks():
         register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaAttention, index=1))
     register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaAttention, index=1), overwrite=True)
     assert [t.shape for t in model(INPUT_IDS, output_x=True).x] == [(1, 4, 8, 8)] * 2
+    assert modelpatch_hooks(model) == 2  # one per attention layer; the MLP hooks were removed
     unregister_output_recorder(model, "x")
-    assert not hasattr(model(INPUT_IDS).__class__, "x")
+    assert "x" not in model(INPUT_IDS, output_x=True)  # asked for, but no longer registered: nothing captured
+    assert modelpatch_hooks(model) == 0  # unregistering removed the hooks it installed, exactly
     with pytest.raises(KeyError):
         unregister_output_recorder(model, "x")
 
@@ -203,7 +217,8 @@ def test_class_level_recorder_reaches_instances_already_used():
         assert len(eager_llama()(INPUT_IDS, output_mlp_out=True).mlp_out) == 2
     finally:
         unregister_output_recorder(LlamaModel, "mlp_out")
-    assert "mlp_out" not in used(INPUT_IDS)
+    assert "mlp_out" not in used(INPUT_IDS, output_mlp_out=True)  # asked for: the class entry is gone
+    assert "mlp_out" not in eager_llama()(INPUT_IDS, output_mlp_out=True)
 
 
 def test_recorders_and_report_survive_deepcopy_and_pickle():
@@ -239,7 +254,6 @@ def test_nested_recipe_blocks_keep_both_conversion_rules(tmp_path):
     # the inner block's rules for qwen2_moe used to replace the outer block's: fused qkv_proj came back random
     from transformers import Qwen2MoeForCausalLM
 
-    from helpers import tiny_qwen2_moe_config
     from modelpatch.recipes import get_recipe
 
     vanilla = save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(num_key_value_heads=2), tmp_path)
@@ -254,7 +268,6 @@ def test_load_converted_state_dict_applies_transformers_builtin_rules(tmp_path):
     # Trainer resume of a plain qwen2_moe: the checkpoint stores one tensor per expert, the model a fused one
     from transformers import Qwen2MoeForCausalLM
 
-    from helpers import tiny_qwen2_moe_config
     from modelpatch import load_converted_state_dict
 
     vanilla = save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(), tmp_path)

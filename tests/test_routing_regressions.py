@@ -97,6 +97,36 @@ def _grads(model, trace, schedule, enable=None):
             if p.grad is not None}
 
 
+@pytest.fixture(scope="module")
+def drifted():
+    """``drifted(family)``: a deep copy of the family's drifted model and of its trace (``_drifted`` runs once per
+    family for the whole module; every test gets copies of its own, so nothing one test does reaches another)."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = _drifted(family)
+        model, trace = built[family]
+        return copy.deepcopy(model), copy.deepcopy(trace)
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference_grads(drifted):
+    """``reference_grads(family, schedule)``: the gradients without checkpointing (``_grads`` with no ``enable``), on
+    a copy of the drifted model; computed once per (family, schedule), the same for every checkpointing variant."""
+    computed = {}
+
+    def get(family, schedule):
+        if (family, schedule) not in computed:
+            model, trace = drifted(family)
+            computed[family, schedule] = _grads(model, trace, schedule)
+        return computed[family, schedule]
+
+    return get
+
+
 def _max_diff(got, ref):
     assert got.keys() == ref.keys()
     return max(float((got[n] - ref[n]).abs().max()) for n in ref)
@@ -108,29 +138,29 @@ _SCHEDULES = ["bwd_after_block", "fwd_a_fwd_b_bwd_a_bwd_b_inside", "bwd_b_then_a
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("schedule", _SCHEDULES)
-def test_checkpointed_replay_gradients_equal_uncheckpointed(family, reentrant, schedule):
+def test_checkpointed_replay_gradients_equal_uncheckpointed(family, reentrant, schedule, drifted, reference_grads):
     # was: backward after the block recomputed with the drifted router (CheckpointError / grads off by 0.046);
     # fwd a, fwd b, bwd a, bwd b recomputed a with b's indices (the latest of the same shape; grads off by 0.097)
-    model, trace = _drifted(family)
-    ref = _grads(copy.deepcopy(model), trace, schedule)
+    ref = reference_grads(family, schedule)
+    model, trace = drifted(family)
 
     def enable(m):
         m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
 
-    got = _grads(copy.deepcopy(model), trace, schedule, enable)
+    got = _grads(model, trace, schedule, enable)
     assert _max_diff(got, ref) < 1e-6
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_wrapper_layers_replay_in_any_order(reentrant):
+def test_checkpoint_wrapper_layers_replay_in_any_order(reentrant, drifted, reference_grads):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
 
-    model, trace = _drifted("qwen3_moe")
-    ref = _grads(copy.deepcopy(model), trace, "bwd_b_then_a_after_block")
+    ref = reference_grads("qwen3_moe", "bwd_b_then_a_after_block")
+    model, trace = drifted("qwen3_moe")
     impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
 
     def enable(m):
@@ -139,13 +169,13 @@ def test_checkpoint_wrapper_layers_replay_in_any_order(reentrant):
             check_fn=lambda mod: type(mod).__name__.endswith("DecoderLayer"),
         )
 
-    got = _grads(copy.deepcopy(model), trace, "bwd_b_then_a_after_block", enable)
+    got = _grads(model, trace, "bwd_b_then_a_after_block", enable)
     assert _max_diff(got, ref) < 1e-6
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_router_inside_unbound_checkpoint_raises_at_forward(reentrant):
-    model, trace = _drifted("qwen3_moe")
+def test_router_inside_unbound_checkpoint_raises_at_forward(reentrant, drifted):
+    model, trace = drifted("qwen3_moe")
     mlp = model.model.layers[1].mlp  # checkpointed by hand: replay cannot reach its recomputation
     original = mlp.forward
     mlp.forward = lambda x: torch.utils.checkpoint.checkpoint(original, x, use_reentrant=reentrant)

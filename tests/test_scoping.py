@@ -17,7 +17,14 @@ from modelpatch import apply_patches, get_patch_mapping, register_patch_mapping
 from modelpatch.patching.interception import hooked_classes
 from modelpatch.patching.scopes import active_scopes
 
-from helpers import INPUT_IDS, save_tiny, tiny_llama_config
+from helpers import (
+    INPUT_IDS,
+    save_tiny,
+    tiny_clip_vision_config,
+    tiny_gpt_neo_config,
+    tiny_gpt_neox_config,
+    tiny_llama_config,
+)
 
 ORIGINAL_ATTENTION = modeling_llama.LlamaAttention
 ORIGINAL_MLP = modeling_llama.LlamaMLP
@@ -208,7 +215,6 @@ def test_copy_and_pickle_inside_block_keep_originals():
 def test_module_first_imported_inside_block():
     name = "transformers.models.gpt_neox.modeling_gpt_neox"
     sys.modules.pop(name, None)
-    from transformers import GPTNeoXConfig
 
     class CustomNeoXMLP(nn.Module):
         def __init__(self, config):
@@ -218,8 +224,7 @@ def test_module_first_imported_inside_block():
         def forward(self, x):
             return self.proj(x)
 
-    config = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           vocab_size=128)
+    config = tiny_gpt_neox_config()
     with apply_patches({"GPTNeoXMLP": CustomNeoXMLP}):
         import importlib
 
@@ -231,8 +236,6 @@ def test_module_first_imported_inside_block():
 def test_module_level_table_gpt_neo():
     from transformers import GPTNeoModel
     from transformers.models.gpt_neo import modeling_gpt_neo
-
-    from helpers import tiny_gpt_neo_config
 
     class CustomNeoSelfAttention(modeling_gpt_neo.GPTNeoSelfAttention):
         pass
@@ -331,15 +334,14 @@ def test_exitstack_exception_path():
 
 
 def test_composite_model_sub_models_built_from_sub_configs(tmp_path):
-    from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, LlavaConfig, LlavaForConditionalGeneration
     from transformers.models.clip import modeling_clip
 
     class CustomClipMLP(modeling_clip.CLIPMLP):
         pass
 
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=2, image_size=32, patch_size=8),
+        vision_config=tiny_clip_vision_config(),
         text_config=tiny_llama_config(),
         image_token_index=100,
     )
