@@ -8,7 +8,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from helpers import TINY
 
-# Families issue 4 requires, with the per-family config keys that make a tiny model exercise routing.
+# Twelve representative MoE families, with the per-family config keys that make a tiny model exercise routing.
 REQUIRED_FAMILIES = [
     "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "olmoe", "deepseek_v3",
     "glm4_moe", "gpt_oss", "granitemoe", "jamba", "minimax", "phimoe",

@@ -1,4 +1,4 @@
-"""Record / replay of MoE routing on the twelve families issue 4 requires (tiny configs, CPU)."""
+"""Record / replay of MoE routing on twelve representative MoE families (tiny configs, CPU)."""
 
 from __future__ import annotations
 
