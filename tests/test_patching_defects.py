@@ -128,3 +128,132 @@ def test_head_class_registration_is_refused_with_the_fix_named():
         register_output_recorder(
             modeling_qwen2_moe.Qwen2MoePreTrainedModel, "selected_experts", modeling_qwen2_moe.Qwen2MoeTopKRouter
         )
+
+
+# -- modeling modules that run again ------------------------------------------------------------------------------
+
+
+def test_classes_of_a_reloaded_modeling_module_are_replaced(caplog):
+    # persimmon: a family no other test uses; its namespace is restored afterwards
+    from transformers.models.persimmon import modeling_persimmon
+
+    config = PersimmonConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             vocab_size=128)
+    with apply_patches({"PersimmonMLP": Inert}):  # the module is catalogued before the reload
+        assert type(modeling_persimmon.PersimmonMLP(config)) is Inert
+    saved = dict(vars(modeling_persimmon))
+    try:
+        importlib.reload(modeling_persimmon)
+        assert modeling_persimmon.PersimmonMLP is not saved["PersimmonMLP"]
+        with caplog.at_level(logging.WARNING, logger="modelpatch"):
+            with apply_patches({"PersimmonMLP": Inert}) as direct:
+                mlp = modeling_persimmon.PersimmonMLP(config)
+            with apply_patches({"PersimmonMLP": Inert}) as built:
+                model = modeling_persimmon.PersimmonModel(config)
+        assert type(mlp) is Inert and direct.fired == {"PersimmonMLP": 1}
+        assert [type(layer.mlp) for layer in model.layers] == [Inert, Inert] and built.fired == {"PersimmonMLP": 2}
+        assert _modelpatch_records(caplog, logging.WARNING) == []
+    finally:
+        vars(modeling_persimmon).clear()
+        vars(modeling_persimmon).update(saved)
+
+
+REMOTE_CONFIGURATION = '''
+from transformers import PretrainedConfig
+
+class TinyRemoteConfig(PretrainedConfig):
+    model_type = "tiny_remote"
+
+    def __init__(self, hidden_size=16, num_blocks=2, **kwargs):
+        self.hidden_size = hidden_size
+        self.num_blocks = num_blocks
+        super().__init__(**kwargs)
+'''
+
+REMOTE_MODELING = '''
+import torch.nn as nn
+from transformers import PreTrainedModel
+from .configuration_tiny_remote import TinyRemoteConfig
+
+class TinyRemoteBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x):
+        return self.proj(x)
+
+class TinyRemoteModel(PreTrainedModel):
+    config_class = TinyRemoteConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.blocks = nn.ModuleList(TinyRemoteBlock(config) for _ in range(config.num_blocks))
+        self.post_init()
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+'''
+
+
+class DoubledBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x):
+        return 2 * self.proj(x)
+
+
+def _remote_checkpoint(path):
+    (path / "configuration_tiny_remote.py").write_text(REMOTE_CONFIGURATION)
+    (path / "modeling_tiny_remote.py").write_text(REMOTE_MODELING)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "tiny_remote", "hidden_size": 16, "num_blocks": 2,
+        "auto_map": {"AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+                     "AutoModel": "modeling_tiny_remote.TinyRemoteModel"},
+    }))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    AutoModel.from_config(config, trust_remote_code=True).save_pretrained(path)
+
+
+def test_remote_code_loaded_again_with_force_download_is_patched(tmp_path, caplog):
+    """``force_download=True`` makes Transformers execute the remote module again as a new module object under the
+    same name (``sys.modules`` keeps its size); its new classes must be targeted on every such load."""
+    _remote_checkpoint(tmp_path)
+    register_patch_mapping({"TinyRemoteBlock": DoubledBlock})
+    first = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    models = [first]
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        for _ in range(2):
+            models.append(AutoModel.from_pretrained(tmp_path, trust_remote_code=True, force_download=True))
+    classes = [type(m) for m in models]
+    assert len(set(classes)) == 3 and len({c.__module__ for c in classes}) == 1  # new classes, same module name
+    for model in models:
+        assert [type(b) for b in model.blocks] == [DoubledBlock, DoubledBlock]
+        assert [r.path for r in patch_report(model).rows] == ["blocks.0", "blocks.1"]
+    assert _modelpatch_records(caplog, logging.WARNING) == []
+
+
+def test_remote_code_module_executed_again_in_place_is_patched(tmp_path, caplog):
+    """A new download whose code changed: Transformers executes the cached module file again in the same module
+    object (``get_class_in_module`` sees a new hash)."""
+    from transformers.dynamic_module_utils import get_class_in_module
+    from transformers.utils import HF_MODULES_CACHE
+
+    _remote_checkpoint(tmp_path)
+    register_patch_mapping({"TinyRemoteBlock": DoubledBlock})
+    first = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    assert [type(b) for b in first.blocks] == [DoubledBlock, DoubledBlock]
+    module = sys.modules[type(first).__module__]
+    with open(module.__file__, "a") as handle:  # the "new download"
+        handle.write("\n# revised upstream\n")
+    relative = os.path.relpath(module.__file__, HF_MODULES_CACHE)
+    model_cls = get_class_in_module("TinyRemoteModel", relative)
+    assert sys.modules[type(first).__module__] is module and model_cls is not type(first)
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        again = model_cls.from_pretrained(tmp_path)
+    assert [type(b) for b in again.blocks] == [DoubledBlock, DoubledBlock]
+    assert _modelpatch_records(caplog, logging.WARNING) == []

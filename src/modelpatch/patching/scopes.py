@@ -66,9 +66,16 @@ def _lookup(target: type):
     return None
 
 
-def refresh_catalog() -> None:
-    """Pick up modeling modules imported since the last look and extend every live scope to them."""
-    if not CATALOG.may_have_changed():
+def refresh_catalog(modules: tuple[str, ...] | None = None) -> None:
+    """Pick up modeling modules imported, replaced or re-executed since the last look and extend every live
+    scope to the classes found in them.
+
+    Args:
+        modules: look for replaced or re-executed modules among these only (the modules a scope's classes
+            come from; new imports are always seen); ``None`` looks at every catalogued module (done whenever
+            a ``PreTrainedModel`` is built inside a scope).
+    """
+    if not CATALOG.may_have_changed(modules):
         return
     with _LIVE_LOCK:
         new_classes = CATALOG.refresh()
@@ -176,8 +183,12 @@ class PatchScope:
         self._entered = True
         with _LIVE_LOCK:
             try:
-                refresh_catalog()
-                self._extend(_resolve_catalog(self.mapping))
+                resolved, watched = _cached_resolution(self.mapping)
+                version = CATALOG.version
+                refresh_catalog(watched)
+                if CATALOG.version != version:
+                    resolved = _resolve_catalog(self.mapping)
+                self._extend(resolved)
                 _LIVE.add(self)
             except BaseException:
                 self._release()
@@ -292,7 +303,7 @@ class PatchScope:
         built, not on every import)."""
         if not unmatched:
             return
-        refresh_catalog()
+        refresh_catalog(())  # imports only: the entry looked for modules that ran again
         late = sorted({key for cls, (_, keys) in _resolve_catalog(self.mapping).items() if cls not in self.resolved
                        for key in keys if key in unmatched})
         if not late:
@@ -314,7 +325,7 @@ def _hint(key: str) -> str:
 
 
 
-_RESOLUTION_CACHE: dict[tuple, tuple[int, dict[type, tuple[PatchRule, tuple[str, ...]]]]] = {}
+_RESOLUTION_CACHE: dict[tuple, tuple[int, dict[type, tuple[PatchRule, tuple[str, ...]]], tuple[str, ...] | None]] = {}
 _RESOLUTION_CACHE_SIZE = 256
 
 
@@ -331,16 +342,29 @@ def _resolve(mapping: PatchMapping, classes) -> dict[type, tuple[PatchRule, tupl
 def _resolve_catalog(mapping: PatchMapping) -> dict[type, tuple[PatchRule, tuple[str, ...]]]:
     """:func:`_resolve` over the whole catalogue, cached by the mapping's content and the catalogue version
     (a block re-entered with an equal mapping, e.g. in a loop, does not scan the catalogue again)."""
-    key = tuple((r.key, r.replacement) for r in mapping.rules)
+    return _cached_resolution(mapping)[0]
+
+
+def _cached_resolution(mapping: PatchMapping):
+    """``(resolved, watched)``: :func:`_resolve` over the catalogue, and the modules whose replacement or
+    re-execution a scope entry with ``mapping`` must notice: those defining a catalogued class named by an exact
+    key, or ``None`` (every catalogued module) when ``mapping`` has a pattern or an exact key naming no
+    catalogued class (a module executed again may define new matching classes). Modules that run again
+    elsewhere are found when a model is built (see :func:`refresh_catalog`)."""
+    key = mapping.content_key
     cached = _RESOLUTION_CACHE.get(key)
     if cached is not None and cached[0] == CATALOG.version:
-        return cached[1]
+        return cached[1], cached[2]
+    watched: tuple[str, ...] | None
     if all(r.is_exact for r in mapping.rules):
-        classes = [c for r in mapping.rules for c in CATALOG.classes_named(r.key)]
+        named = [CATALOG.classes_named(r.key) for r in mapping.rules]
+        classes = [c for found in named for c in found]
+        watched = tuple(sorted({c.__module__ for c in classes})) if all(named) else None
     else:
         classes = CATALOG.all_classes()
+        watched = None
     resolved = _resolve(mapping, classes)
     if len(_RESOLUTION_CACHE) >= _RESOLUTION_CACHE_SIZE:
         _RESOLUTION_CACHE.clear()
-    _RESOLUTION_CACHE[key] = (CATALOG.version, resolved)
-    return resolved
+    _RESOLUTION_CACHE[key] = (CATALOG.version, resolved, watched)
+    return resolved, watched
