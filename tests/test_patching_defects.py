@@ -389,3 +389,35 @@ def test_messages_print_no_number_twice(caplog):
     for message in messages:
         numbers = re.findall(r"(?<![\w.])\d+(?![\w.])", message)
         assert len(numbers) == len(set(numbers)), message
+
+
+# -- PatchScope.start() / stop() ----------------------------------------------------------------------------------
+
+
+def test_start_and_stop_behave_like_a_with_block():
+    scope = apply_patches({"LlamaAttention": LlamaAttn})
+    assert scope.start() is scope
+    assert active_scopes() == (scope,)
+    inside = LlamaModel(tiny_llama_config())
+    scope.stop()
+    assert active_scopes() == () and scope.closed
+    assert [type(layer.self_attn) for layer in inside.layers] == [LlamaAttn, LlamaAttn]
+    assert scope.fired == {"LlamaAttention": 2}
+    assert type(LlamaModel(tiny_llama_config()).layers[0].self_attn) is modeling_llama.LlamaAttention
+    with pytest.raises(ModelpatchRuntimeError, match="not started .or already stopped"):
+        scope.stop()
+    with pytest.raises(RuntimeError, match="entered only once"):
+        scope.start()
+
+
+def test_stop_runs_the_strict_check_and_stop_before_start_raises():
+    never_started = apply_patches({"LlamaAttention": LlamaAttn})
+    with pytest.raises(ModelpatchRuntimeError):
+        never_started.stop()
+    scope = apply_patches({"LlamaAttention": LlamaAttn, "NoSuchClass": Inert}, strict=True).start()
+    LlamaModel(tiny_llama_config())
+    with pytest.raises(UnmatchedPatchKeyError, match=r"\['NoSuchClass'\]"):
+        scope.stop()
+    assert active_scopes() == ()
+    with pytest.raises(ModelpatchRuntimeError):
+        scope.stop()
