@@ -15,6 +15,13 @@ reset from the class attribute each time a model of that class is built).
   registration, the first time an instance runs; overwriting or unregistering removes them exactly.
   The registry reports the name with a recorder that matches no module, so Transformers allocates the
   output list but installs no hook of its own for it.
+* A model whose ``forward`` does not capture outputs itself (no ``@capture_outputs``: task heads such as
+  ``*ForCausalLM``, which build their own output object from the base model's, as ``Qwen2MoeForCausalLM``
+  copies ``router_logits``) would drop the new field. A model registered as an instance gets a pair of
+  tagged hooks (a *relay*): the pre-hook opens a collection frame for the ``output_<name>=True`` it was
+  called with (per thread / asyncio task), the capture hooks of its modules also append there, and the
+  forward hook puts the tuple into the model's output (appended last when ``return_dict=False``). So
+  ``lm(ids, output_<name>=True).<name>`` holds what ``lm.model`` captures (plus matching modules outside it).
 
 Everything is stored in the instances' ``__dict__``, so it follows ``copy.deepcopy`` and ``pickle``.
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from contextvars import ContextVar
 
 import torch.nn as nn
 from transformers.modeling_utils import PreTrainedModel
@@ -153,8 +161,22 @@ def patch_output_recorders(model: nn.Module) -> None:
 # -- user recorders --------------------------------------------------------------------------------
 
 
+class _Frame:
+    """One running ``forward`` of a relayed model (see the module docstring) and what it collects."""
+
+    __slots__ = ("collected", "owner")
+
+    def __init__(self, owner: nn.Module, names):
+        self.owner = owner
+        self.collected: dict[str, list] = {name: [] for name in names}
+
+
+_FRAMES: ContextVar[tuple[_Frame, ...]] = ContextVar("modelpatch_output_frames", default=())
+
+
 class _CaptureHook:
-    """Forward hook appending ``output[index]`` (or a non-tuple output) to the active ``output_<name>``."""
+    """Forward hook appending ``output[index]`` (or a non-tuple output) to the active ``output_<name>``: the
+    list of the running ``@capture_outputs`` forward, and that of every relayed model whose forward is running."""
 
     def __init__(self, name: str, index: int):
         self.name = name
@@ -162,11 +184,97 @@ class _CaptureHook:
 
     def __call__(self, module, args, output):
         collected = _capturing._active_collector.get()
-        if collected is None or self.name not in collected:
+        frames = _FRAMES.get()
+        if not frames and (collected is None or self.name not in collected):
             return
         value = output[self.index] if isinstance(output, tuple) else output
-        if value is not None:
+        if value is None:
+            return
+        if collected is not None and self.name in collected:
             collected[self.name].append(value)
+        for frame in frames:
+            bucket = frame.collected.get(self.name)
+            if bucket is not None:
+                bucket.append(value)
+
+
+def _requested(model: nn.Module, name: str, kwargs: dict) -> bool:
+    """Whether a forward called with ``kwargs`` asks for ``output_<name>`` (the argument, else the config), as
+    ``@capture_outputs`` reads it."""
+    flag = f"output_{name}"
+    if flag in kwargs:
+        return bool(kwargs[flag])
+    return bool(getattr(getattr(model, "config", None), flag, False))
+
+
+class _RelayStart:
+    """Forward pre-hook of a relayed model: opens a frame for the user outputs the call asks for."""
+
+    def __call__(self, module, args, kwargs):
+        frames = tuple(f for f in _FRAMES.get() if f.owner is not module)  # one left by a KeyboardInterrupt
+        names = [name for name in _user_recorders(module) if _requested(module, name, kwargs)]
+        if names:
+            frames += (_Frame(module, names),)
+        if frames != _FRAMES.get():
+            _FRAMES.set(frames)
+
+
+class _RelayFinish:
+    """Forward hook of a relayed model (also run when ``forward`` raises): closes its frame and puts each
+    collected tuple into the output, unless the output already holds that field."""
+
+    def __call__(self, module, args, kwargs, output):
+        frames = _FRAMES.get()
+        frame = next((f for f in reversed(frames) if f.owner is module), None)
+        if frame is None:
+            return None
+        _FRAMES.set(tuple(f for f in frames if f is not frame))
+        if output is None:  # forward raised
+            return None
+        for name, values in frame.collected.items():
+            if isinstance(output, dict):  # a ModelOutput
+                if output.get(name) is None:
+                    output[name] = tuple(values)
+            elif isinstance(output, tuple):  # return_dict=False: appended last, as to_tuple() places a new field
+                output = output + (tuple(values),)
+        return output
+
+
+def _captures_outputs(model_or_class) -> bool:
+    """Whether the ``forward`` of ``model_or_class`` is decorated with Transformers' ``@capture_outputs`` (which
+    fills ``output_<name>`` fields from the registry itself), looking through ``functools.wraps`` wrappers."""
+    func = getattr(model_or_class, "forward", None)
+    for _ in range(32):
+        if func is None:
+            return False
+        if getattr(func, "__code__", None) is _CAPTURE_WRAPPER_CODE:
+            return True
+        func = getattr(func, "__wrapped__", None)
+    return False
+
+
+# every function decorated with @capture_outputs (with or without arguments) runs this one code object
+_CAPTURE_WRAPPER_CODE = _capturing.capture_outputs(lambda self: None).__code__
+
+
+def _install_relay(model: nn.Module) -> None:
+    """Give ``model`` (a model that does not capture outputs itself) the relay hooks (idempotent)."""
+    if any(isinstance(hook, _RelayStart) for hook in model._forward_pre_hooks.values()):
+        return
+    model.register_forward_pre_hook(_RelayStart(), with_kwargs=True)
+    model.register_forward_hook(_RelayFinish(), with_kwargs=True, always_call=True)
+
+
+def _remove_relay(model: nn.Module) -> None:
+    for hooks, kind, extras in (
+        (model._forward_pre_hooks, _RelayStart, ("_forward_pre_hooks_with_kwargs",)),
+        (model._forward_hooks, _RelayFinish, ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+    ):
+        for handle_id, hook in list(hooks.items()):
+            if isinstance(hook, kind):
+                del hooks[handle_id]
+                for extra in extras:
+                    getattr(model, extra, {}).pop(handle_id, None)
 
 
 def _is_or_replaces(module: nn.Module, target: type) -> bool:
@@ -222,8 +330,10 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
     """Let ``model(..., output_<name>=True)`` return the outputs ``recorder`` captures, as a tuple.
 
     Args:
-        model_or_class: a ``PreTrainedModel`` instance (applies to it and its sub-models) or a
-            ``PreTrainedModel`` subclass (applies to every instance, built before or after).
+        model_or_class: a ``PreTrainedModel`` instance (applies to it and its sub-models: a task head such as
+            ``*ForCausalLM`` returns the field too) or a ``PreTrainedModel`` subclass whose ``forward`` captures
+            outputs itself (a base model class such as ``Qwen2MoeModel``; applies to every instance, built before
+            or after; a head wrapping such an instance returns the field when the head instance is registered).
         name: the output name; ``output_<name>=True`` turns capture on and ``outputs.<name>`` holds it.
         recorder: an ``OutputRecorder(target_class, index=...)``, an ``nn.Module`` subclass (index 1)
             or a list of those. A module output that is a tuple contributes ``output[index]``; any other
@@ -231,16 +341,18 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
         overwrite: replace an existing registration of ``name`` (its hooks are removed).
 
     Raises:
-        TypeError: ``model_or_class`` is neither a ``PreTrainedModel`` nor a subclass of it; a recorder
-            is not an ``OutputRecorder`` with a target class or an ``nn.Module`` subclass.
+        TypeError: ``model_or_class`` is neither a ``PreTrainedModel`` nor a subclass of it; it is a class whose
+            ``forward`` does not capture outputs (a task head or an abstract base: its instances could not return
+            the field; register on an instance, or on the base model's class); a recorder is not an
+            ``OutputRecorder`` with a target class or an ``nn.Module`` subclass.
         ValueError: ``name`` is not a Python identifier, is an output Transformers already records for
             this model (``hidden_states``, ``attentions``, ...), or is registered and ``overwrite`` is false.
 
     Unlike writing into Transformers' private registry, the entry survives building other models of the
-    same class, and ``copy.deepcopy``/``pickle`` of the model. The tuple is returned by the model whose
-    ``forward`` captures outputs (``@capture_outputs``: usually the base model such as ``model.model``;
-    task heads like ``*ForCausalLM`` build their own output objects and ``generate`` rejects unknown
-    ``output_*`` arguments).
+    same class, and ``copy.deepcopy``/``pickle`` of the model. Shapes are those of the recorded module outputs,
+    one entry per module call in call order (e.g. ``(num_tokens, top_k)`` per layer for a router's selected
+    experts). With ``return_dict=False`` a head appends the tuple last. ``generate`` rejects unknown
+    ``output_*`` arguments.
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ModelpatchValueError(f"Output recorder name {name!r} must be a Python identifier (used as output_<name>)")
@@ -255,6 +367,14 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
         owners = [m for m in model_or_class.modules() if isinstance(m, PreTrainedModel)]
     elif isinstance(model_or_class, type) and issubclass(model_or_class, PreTrainedModel):
         owners = [model_or_class]
+        if not _captures_outputs(model_or_class):
+            raise ModelpatchTypeError(
+                f"register_output_recorder({model_or_class.__name__}, {name!r}, ...): the forward of "
+                f"{model_or_class.__name__} does not capture outputs itself (a task head or an abstract base class), "
+                "so its instances could not return the field; register on a model instance "
+                "(register_output_recorder(model, ...) also covers the head wrapping a base model) or on the class "
+                "of the base model (e.g. type(model.model))"
+            )
     else:
         raise ModelpatchTypeError(f"register_output_recorder needs a PreTrainedModel instance or subclass, got {model_or_class!r}")
     for owner in owners:
@@ -276,6 +396,8 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
             raise ModelpatchValueError(f"Output recorder {name!r} is already registered on this model; pass overwrite=True")
         for owner in owners:
             owner.__dict__[_USER_ATTR] = {**_own(owner, _USER_ATTR), name: recorders}
+            if not _captures_outputs(owner):
+                _install_relay(owner)
         _sync_hooks(model_or_class, {name: recorders})
 
 
@@ -297,6 +419,8 @@ def unregister_output_recorder(model_or_class, name: str) -> None:
             raise ModelpatchKeyError(f"No output recorder {name!r} registered for {type(model_or_class).__name__}")
         for owner in owners:
             owner.__dict__[_USER_ATTR] = {k: v for k, v in _own(owner, _USER_ATTR).items() if k != name}
+            if not owner.__dict__[_USER_ATTR]:
+                _remove_relay(owner)
         _remove_hooks(model_or_class, name)
         for module in model_or_class.modules():
             if name in _own(module, _HOOKED_ATTR):

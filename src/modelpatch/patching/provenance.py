@@ -28,13 +28,15 @@ class Replacement:
 class BuildRecord:
     """The patch keys in force while a ``PreTrainedModel`` was built, and what became of them.
 
-    ``unmatched``/``conflicts`` are filled when the scopes that built the model finish; until then
-    :func:`~modelpatch.patch_report` computes them from the live scopes.
+    ``unmatched`` (keys naming no class that exists), ``not_applicable`` (keys naming classes that exist but
+    were not built: another model family) and ``conflicts`` are filled when the scopes that built the model
+    finish; until then :func:`~modelpatch.patch_report` computes them from the live scopes.
     """
 
     keys: tuple[str, ...]
     unmatched: tuple[str, ...] | None = None
     conflicts: tuple = ()
+    not_applicable: tuple[str, ...] = ()
     scopes: tuple = field(default=(), repr=False, compare=False)
 
     def __getstate__(self):

@@ -98,20 +98,21 @@ class PatchMapping:
     rules: tuple[PatchRule, ...]
     _exact: dict[str, PatchRule] = field(init=False, repr=False)
     _patterns: tuple[PatchRule, ...] = field(init=False, repr=False)
+    content_key: tuple[tuple[str, type], ...] = field(init=False, repr=False)
+    keys: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_exact", {r.key: r for r in self.rules if r.is_exact})
         object.__setattr__(self, "_patterns", tuple(r for r in self.rules if not r.is_exact))
+        # ((key, replacement), ...): equal for mappings with equal content (resolution caches use it)
+        object.__setattr__(self, "content_key", tuple((r.key, r.replacement) for r in self.rules))
+        object.__setattr__(self, "keys", tuple(r.key for r in self.rules))
 
     def __bool__(self) -> bool:
         return bool(self.rules)
 
     def __len__(self) -> int:
         return len(self.rules)
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return tuple(r.key for r in self.rules)
 
     def resolve(self, class_name: str) -> PatchRule | None:
         """The rule that applies to ``class_name`` (exact key first, then the first matching pattern)."""

@@ -26,14 +26,16 @@ class PatchRow:
 class PatchReport:
     """Rows of replaced modules, keys that replaced nothing, container/inner conflicts.
 
-    ``conversion`` holds the weight conversion rows (rule -> checkpoint keys) when the conversion layer
-    recorded any for this model.
+    ``unmatched_keys`` name no class that exists (typos); ``not_applicable_keys`` name classes that exist but
+    that this model did not build (keys of another model family in a shared registry). ``conversion`` holds
+    the weight conversion rows (rule -> checkpoint keys) when the conversion layer recorded any for this model.
     """
 
     rows: list[PatchRow] = field(default_factory=list)
     unmatched_keys: list[str] = field(default_factory=list)
     conflicts: list[Conflict] = field(default_factory=list)
     conversion: list = field(default_factory=list)
+    not_applicable_keys: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """JSON-ready form."""
@@ -43,6 +45,7 @@ class PatchReport:
                 for r in self.rows
             ],
             "unmatched_keys": list(self.unmatched_keys),
+            "not_applicable_keys": list(self.not_applicable_keys),
             "conflicts": [c.message() for c in self.conflicts],
             "conversion": [getattr(row, "as_dict", lambda row=row: row)() for row in self.conversion],
         }
@@ -54,6 +57,8 @@ class PatchReport:
             lines.append(f"  {r.path:<{width}}  {r.original.__name__} -> {_qualname(r.replacement)}  [{r.key}]")
         if self.unmatched_keys:
             lines.append(f"keys that replaced nothing: {', '.join(self.unmatched_keys)}")
+        if self.not_applicable_keys:
+            lines.append(f"keys of classes this model does not build: {', '.join(self.not_applicable_keys)}")
         lines.extend(c.message() for c in self.conflicts)
         return "\n".join(lines)
 
@@ -68,7 +73,9 @@ def patch_report(model: nn.Module) -> PatchReport:
     Returns:
         A :class:`PatchReport` with one :class:`PatchRow` per replaced module (path as in
         ``model.named_modules()``), the keys of the mappings in force while the model was built that
-        matched no class built, container/inner conflicts (see :mod:`modelpatch.patching.conflicts`), and the
+        matched no class built, split into ``unmatched_keys`` (they name no class that exists) and
+        ``not_applicable_keys`` (they name classes of another model family, or classes this model does not
+        use), container/inner conflicts (see :mod:`modelpatch.patching.conflicts`), and the
         weight conversion rows (rule -> checkpoint keys) when rules converted its checkpoint. The
         records live on the modules, so the report survives ``copy.deepcopy`` and ``pickle``.
     """
@@ -81,10 +88,14 @@ def patch_report(model: nn.Module) -> PatchReport:
     if record is not None:
         if record.unmatched is not None:
             report.unmatched_keys = list(record.unmatched)
+            # getattr: a record pickled by an earlier release has no such field
+            report.not_applicable_keys = list(getattr(record, "not_applicable", ()))
             report.conflicts = list(record.conflicts)
         else:  # the scopes that built the model are still open: read them live
-            unmatched = set().union(*(scope.unmatched_keys for scope in record.scopes)) if record.scopes else set()
+            unmatched = set().union(*(scope.unmatched_keys for scope in record.scopes))
+            not_applicable = set().union(*(scope.not_applicable_keys for scope in record.scopes))
             report.unmatched_keys = [k for k in record.keys if k in unmatched]
+            report.not_applicable_keys = [k for k in record.keys if k in not_applicable - unmatched]
             report.conflicts = [c for scope in record.scopes for c in scope.conflicts()]
     for reader in _CONVERSION_READERS:
         report.conversion.extend(reader(model))

@@ -12,6 +12,7 @@ registry scope that ``from_pretrained``/``from_config`` open, innermost block fi
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import inspect
 import threading
@@ -21,11 +22,10 @@ from contextvars import ContextVar
 
 from transformers.utils import logging
 
-from ..errors import ModelpatchRuntimeError, ModelpatchTypeError
-from ..errors import ModelpatchError
-from .catalog import CATALOG
+from ..errors import ModelpatchError, ModelpatchRuntimeError, ModelpatchTypeError
+from .catalog import CATALOG, known_class_names
 from .interception import install_hook, uninstall_hook
-from .provenance import Replacement, build_record, set_provenance
+from .provenance import Replacement, build_record, provenance, set_provenance
 from .registry import PatchMapping, PatchRule
 
 logger = logging.get_logger("modelpatch")
@@ -66,9 +66,16 @@ def _lookup(target: type):
     return None
 
 
-def refresh_catalog() -> None:
-    """Pick up modeling modules imported since the last look and extend every live scope to them."""
-    if not CATALOG.may_have_changed():
+def refresh_catalog(modules: tuple[str, ...] | None = None) -> None:
+    """Pick up modeling modules imported, replaced or re-executed since the last look and extend every live
+    scope to the classes found in them.
+
+    Args:
+        modules: look for replaced or re-executed modules among these only (the modules a scope's classes
+            come from; new imports are always seen); ``None`` looks at every catalogued module (done whenever
+            a ``PreTrainedModel`` is built inside a scope).
+    """
+    if not CATALOG.may_have_changed(modules):
         return
     with _LIVE_LOCK:
         new_classes = CATALOG.refresh()
@@ -86,6 +93,11 @@ class PatchScope:
         strict: raise :class:`UnmatchedPatchKeyError` on exit when a key replaced nothing.
         resolved: ``{original class: rule}`` for every catalogued class the mapping matches.
         fired: ``{key: number of modules replaced}``.
+
+    After the block, :attr:`unmatched_keys` holds the keys that replaced nothing and name no class that exists
+    (typos: a warning, or :class:`UnmatchedPatchKeyError` when strict), :attr:`not_applicable_keys` those that
+    name classes this build did not use (another model family: logged at INFO, never an error), and
+    :attr:`outranked_keys` those whose classes another key or an enclosing block replaced.
 
     Also usable as a decorator (each call of the decorated function runs in a fresh scope with the same
     mapping), like ``transformers.monkey_patching.apply_patches``.
@@ -115,6 +127,7 @@ class PatchScope:
         self.models: "weakref.WeakSet" = weakref.WeakSet()  # PreTrainedModels built inside
         self.models_built = 0
         self.closed = False
+        self._classified: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._entered = False
         self._hooked: list[type] = []
 
@@ -153,10 +166,34 @@ class PatchScope:
         self.models_built += 1
 
     # -- results ----------------------------------------------------------------------------------
+    def _unbuilt_keys(self) -> tuple[str, ...]:
+        """Keys that matched no class constructed while this scope was active."""
+        return tuple(k for k in self.mapping.keys if k not in self.matched)
+
+    def _classify_unbuilt(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(unmatched, not applicable)``: the unbuilt keys that name no class Transformers or loaded remote
+        code defines, and those that do (fixed once the scope has finished)."""
+        if self._classified is not None:
+            return self._classified
+        unbuilt = self._unbuilt_keys()
+        rules = {r.key: r for r in self.mapping.rules}
+        known = [k for k in unbuilt if _names_a_known_class(rules[k])]
+        classified = (tuple(k for k in unbuilt if k not in known), tuple(known))
+        if self.closed:
+            self._classified = classified
+        return classified
+
     @property
     def unmatched_keys(self) -> tuple[str, ...]:
-        """Keys that matched no class constructed while this scope was active (typos, wrong family)."""
-        return tuple(k for k in self.mapping.keys if k not in self.matched)
+        """Keys that matched no class constructed while this scope was active and name no class that exists
+        (typos): not a catalogued class, nor a class of any Transformers modeling module, imported or not."""
+        return self._classify_unbuilt()[0]
+
+    @property
+    def not_applicable_keys(self) -> tuple[str, ...]:
+        """Keys that matched no class constructed while this scope was active but name classes that exist: of
+        another model family (a registry serving several families), or a class this model does not use."""
+        return self._classify_unbuilt()[1]
 
     @property
     def outranked_keys(self) -> tuple[str, ...]:
@@ -176,8 +213,12 @@ class PatchScope:
         self._entered = True
         with _LIVE_LOCK:
             try:
-                refresh_catalog()
-                self._extend(_resolve_catalog(self.mapping))
+                resolved, watched = _cached_resolution(self.mapping)
+                version = CATALOG.version
+                refresh_catalog(watched)
+                if CATALOG.version != version:
+                    resolved = _resolve_catalog(self.mapping)
+                self._extend(resolved)
                 _LIVE.add(self)
             except BaseException:
                 self._release()
@@ -201,7 +242,8 @@ class PatchScope:
         """Exit a scope opened with :meth:`start` (runs the same checks as a normal ``with`` exit).
 
         Raises:
-            RuntimeError: the scope was never started, or is already stopped.
+            ModelpatchRuntimeError: the scope was never started, or is already stopped (a ``RuntimeError``).
+            UnmatchedPatchKeyError: as on the exit of a strict ``with`` block.
         """
         if not self._entered or self.closed:
             raise ModelpatchRuntimeError("PatchScope.stop(): the scope is not started (or already stopped)")
@@ -260,31 +302,76 @@ class PatchScope:
             self.finish()
 
     def finish(self) -> None:
-        """Record results on the models built, warn about conflicts and about keys that matched no
-        constructed class (raise :class:`UnmatchedPatchKeyError` instead when strict)."""
+        """Record results on the models built, warn about conflicts and about keys that matched no class that
+        exists (raise :class:`UnmatchedPatchKeyError` instead when strict); log keys of classes that exist but
+        were not built (another model family) at INFO, unless this is an explicit block none of whose keys
+        applied to what it built (a recipe for another family: warning, or the error when strict).
+
+        Raises:
+            UnmatchedPatchKeyError: strict scope, and a key names no class that exists, or none of the keys of an
+                explicit block applied, or a key names a class whose module was first imported inside the scope
+                with no model built after the import.
+        """
         conflicts = self.conflicts()
         for conflict in conflicts:
             logger.warning(conflict.message())
-        unmatched = self.unmatched_keys
+        unbuilt = self._unbuilt_keys()
+        built_something = bool(self.fired or self.models_built or self.constructed)
+        unmatched, not_applicable = self._classify_unbuilt() if unbuilt and built_something else ((), ())
         for model in list(self.models):
             record = build_record(model)
             if record is not None:
                 record.unmatched = tuple(k for k in record.keys if k in unmatched)
+                record.not_applicable = tuple(k for k in record.keys if k in not_applicable)
                 record.conflicts = tuple(conflicts)
         for key in self.outranked_keys:
             logger.info(f"modelpatch: key {key!r} matched classes during {self.label} but other keys or an enclosing block replaced them")
-        if not unmatched or not (self.fired or self.models_built or self.constructed):
-            self._report_late_imports(unmatched)
+        if not built_something:
+            self._report_late_imports(unbuilt)
             return  # nothing was built: nothing to judge
-        hints = "".join(_hint(key) for key in unmatched)
-        message = (
-            f"modelpatch: patch key(s) {list(unmatched)} matched no class built during {self.label}; "
-            f"check the class name (case-sensitive) or the pattern{hints}"
-        )
-        if self.strict:
-            raise UnmatchedPatchKeyError(message)
-        logger.warning(message)
+        if not (unmatched or not_applicable):
+            return
+        built_names = self._built_class_names()
+        nothing_applies = ""
+        if not_applicable:
+            hints = "".join(_hint(key, built_names) for key in not_applicable)
+            if self.explicit and not self.matched:
+                # a block whose keys all belong elsewhere (a recipe for another family): the build is vanilla
+                nothing_applies = (
+                    f"modelpatch: no patch key of {self.label} applies to what it built: key(s) {list(not_applicable)} "
+                    f"name classes that exist (another model family, or classes this model does not use) but none "
+                    f"was built{hints}"
+                )
+            else:
+                logger.info(
+                    f"modelpatch: patch key(s) {list(not_applicable)} not applicable to {self.label}: they name "
+                    f"classes that exist (another model family, or classes this model does not use) but none was "
+                    f"built{hints}"
+                )
+        messages = []
+        if unmatched:
+            hints = "".join(_hint(key, built_names) for key in unmatched)
+            messages.append(
+                f"modelpatch: patch key(s) {list(unmatched)} matched no class built during {self.label}, nor any "
+                f"module class of Transformers or of loaded remote code; check the class name (case-sensitive) or "
+                f"the pattern{hints}"
+            )
+        if nothing_applies:
+            messages.append(nothing_applies)
+        if messages and self.strict:
+            raise UnmatchedPatchKeyError("\n".join(messages))
+        for message in messages:
+            logger.warning(message)
 
+    def _built_class_names(self) -> set[str]:
+        """Names of the original classes of the modules in the models built inside this scope (empty when none
+        was built: layers constructed directly)."""
+        names = set()
+        for model in list(self.models):
+            for module in model.modules():
+                found = provenance(module)
+                names.add(found.original.__name__ if found is not None else type(module).__name__)
+        return names
 
     def _report_late_imports(self, unmatched) -> None:
         """Keys naming classes whose module was first imported inside the block, with no model built after the
@@ -292,7 +379,7 @@ class PatchScope:
         built, not on every import)."""
         if not unmatched:
             return
-        refresh_catalog()
+        refresh_catalog(())  # imports only: the entry looked for modules that ran again
         late = sorted({key for cls, (_, keys) in _resolve_catalog(self.mapping).items() if cls not in self.resolved
                        for key in keys if key in unmatched})
         if not late:
@@ -307,14 +394,44 @@ class PatchScope:
         logger.warning(message)
 
 
-def _hint(key: str) -> str:
-    if key.isidentifier() and any(key in name and key != name for name in CATALOG.names()):
-        return f"; {key!r} is an exact class name: to match class names containing it, write '.*{key}'"
-    return ""
+def _names_a_known_class(rule: PatchRule) -> bool:
+    """Whether ``rule`` names (exact key) or matches (pattern) a class that exists: a catalogued class, or a
+    class of a Transformers modeling module not imported yet (read from its source, see
+    :func:`~modelpatch.patching.catalog.source_class_names`)."""
+    if rule.is_exact:
+        return bool(CATALOG.classes_named(rule.key)) or rule.key in known_class_names()
+    if any(rule.matches(name) for name in CATALOG.names()):
+        return True
+    return any(rule.matches(name) for name in known_class_names())
 
 
+def _hint(key: str, built: set[str]) -> str:
+    """A suggestion for an identifier key that replaced nothing, naming a class it would then match; ``""`` when
+    no suggestion would match a class.
 
-_RESOLUTION_CACHE: dict[tuple, tuple[int, dict[type, tuple[PatchRule, tuple[str, ...]]]]] = {}
+    Candidates are the classes built in the scope (``built``), or the catalogued classes when the scope built
+    no model (layers constructed directly). In order: the same name in another case; the pattern
+    ``'.*<key>'``, which :func:`re.search` matches against exactly the names containing ``key``; a close
+    spelling (:func:`difflib.get_close_matches`)."""
+    if not key.isidentifier():
+        return ""
+    names = sorted(built or CATALOG.names())
+    same_but_case = [name for name in names if name.lower() == key.lower() and name != key]
+    if same_but_case:
+        return f"; {key!r}: did you mean {same_but_case[0]!r}? (class names are case-sensitive)"
+    containing = [name for name in names if key in name and name != key]
+    if containing:
+        shown = ", ".join(containing[:3]) + (f" and {len(containing) - 3} more" if len(containing) > 3 else "")
+        where = "built here" if built else "known"
+        return (
+            f"; {key!r} is an exact class name: to match the classes {where} whose names contain it ({shown}), "
+            f"write '.*{key}'"
+        )
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+    return f"; {key!r}: did you mean {close[0]!r}?" if close else ""
+
+
+_RESOLUTION_CACHE: dict[tuple, tuple[int, dict[type, tuple[PatchRule, tuple[str, ...]]], tuple[str, ...] | None]] = {}
 _RESOLUTION_CACHE_SIZE = 256
 
 
@@ -331,16 +448,29 @@ def _resolve(mapping: PatchMapping, classes) -> dict[type, tuple[PatchRule, tupl
 def _resolve_catalog(mapping: PatchMapping) -> dict[type, tuple[PatchRule, tuple[str, ...]]]:
     """:func:`_resolve` over the whole catalogue, cached by the mapping's content and the catalogue version
     (a block re-entered with an equal mapping, e.g. in a loop, does not scan the catalogue again)."""
-    key = tuple((r.key, r.replacement) for r in mapping.rules)
+    return _cached_resolution(mapping)[0]
+
+
+def _cached_resolution(mapping: PatchMapping):
+    """``(resolved, watched)``: :func:`_resolve` over the catalogue, and the modules whose replacement or
+    re-execution a scope entry with ``mapping`` must notice: those defining a catalogued class named by an exact
+    key, or ``None`` (every catalogued module) when ``mapping`` has a pattern or an exact key naming no
+    catalogued class (a module executed again may define new matching classes). Modules that run again
+    elsewhere are found when a model is built (see :func:`refresh_catalog`)."""
+    key = mapping.content_key
     cached = _RESOLUTION_CACHE.get(key)
     if cached is not None and cached[0] == CATALOG.version:
-        return cached[1]
+        return cached[1], cached[2]
+    watched: tuple[str, ...] | None
     if all(r.is_exact for r in mapping.rules):
-        classes = [c for r in mapping.rules for c in CATALOG.classes_named(r.key)]
+        named = [CATALOG.classes_named(r.key) for r in mapping.rules]
+        classes = [c for found in named for c in found]
+        watched = tuple(sorted({c.__module__ for c in classes})) if all(named) else None
     else:
         classes = CATALOG.all_classes()
+        watched = None
     resolved = _resolve(mapping, classes)
     if len(_RESOLUTION_CACHE) >= _RESOLUTION_CACHE_SIZE:
         _RESOLUTION_CACHE.clear()
-    _RESOLUTION_CACHE[key] = (CATALOG.version, resolved)
-    return resolved
+    _RESOLUTION_CACHE[key] = (CATALOG.version, resolved, watched)
+    return resolved, watched
