@@ -27,8 +27,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _config(layers: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=12,
-                       num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    )
 
 
 def _rss_mb() -> float:
@@ -103,9 +110,19 @@ def child(mode: str, folder: str, out: str | None) -> None:
         model.save_pretrained(out)
         save_s = time.perf_counter() - start
     n_params = sum(p.numel() for p in model.parameters())
-    print(json.dumps({"load_s": load_s, "peak_mb": peak, "delta_mb": peak - base, "touched_mb": touched, "ready_s": ready_s,
-                      "save_s": save_s,
-                      "params": n_params}))
+    print(
+        json.dumps(
+            {
+                "load_s": load_s,
+                "peak_mb": peak,
+                "delta_mb": peak - base,
+                "touched_mb": touched,
+                "ready_s": ready_s,
+                "save_s": save_s,
+                "params": n_params,
+            }
+        )
+    )
 
 
 def _run(mode, folder, out=None) -> dict:
@@ -146,23 +163,34 @@ def main() -> None:
         for i in range(args.repeats):
             for mode in ("vanilla", "patched"):  # interleaved so drift affects both alike
                 runs[mode].append(_run(mode, folder, os.path.join(tmp, f"out-{mode}-{i}") if i == 0 else None))
-        med = {m: {k: statistics.median(r[k] for r in rs) for k in ("load_s", "ready_s", "peak_mb", "delta_mb", "touched_mb")}
-               for m, rs in runs.items()}
+        med = {
+            m: {
+                k: statistics.median(r[k] for r in rs)
+                for k in ("load_s", "ready_s", "peak_mb", "delta_mb", "touched_mb")
+            }
+            for m, rs in runs.items()
+        }
         for mode in ("vanilla", "patched"):
             s = med[mode]
-            print(f"{mode:8s} load {s['load_s']:.3f}s (+ first read of every weight: {s['ready_s']:.3f}s)  peak RSS {s['peak_mb']:.0f} MB "
-                  f"(+{s['delta_mb']:.0f} MB over imports; {s['touched_mb']:.0f} MB once every weight was read)  "
-                  f"save {runs[mode][0]['save_s']:.3f}s")
+            print(
+                f"{mode:8s} load {s['load_s']:.3f}s (+ first read of every weight: {s['ready_s']:.3f}s)  peak RSS {s['peak_mb']:.0f} MB "
+                f"(+{s['delta_mb']:.0f} MB over imports; {s['touched_mb']:.0f} MB once every weight was read)  "
+                f"save {runs[mode][0]['save_s']:.3f}s"
+            )
         warm = _run("warm", folder, args.warm)
-        print(f"warm, one process, median of {args.warm}: vanilla {warm['vanilla'] * 1e3:.1f} ms, "
-              f"patched {warm['patched'] * 1e3:.1f} ms")
+        print(
+            f"warm, one process, median of {args.warm}: vanilla {warm['vanilla'] * 1e3:.1f} ms, "
+            f"patched {warm['patched'] * 1e3:.1f} ms"
+        )
         v, p = med["vanilla"], med["patched"]
-        print(f"ratio patched/vanilla: load time {p['load_s'] / v['load_s']:.3f}x "
-              f"(load + first read of every weight {p['ready_s'] / v['ready_s']:.3f}x), peak RSS "
-              f"{p['peak_mb'] / v['peak_mb']:.3f}x (increase over imports {p['delta_mb'] / max(v['delta_mb'], 1):.3f}x; "
-              f"after reading every weight {p['touched_mb'] / v['touched_mb']:.3f}x), "
-              f"save time {runs['patched'][0]['save_s'] / runs['vanilla'][0]['save_s']:.3f}x, "
-              f"warm load time {warm['patched'] / warm['vanilla']:.3f}x")
+        print(
+            f"ratio patched/vanilla: load time {p['load_s'] / v['load_s']:.3f}x "
+            f"(load + first read of every weight {p['ready_s'] / v['ready_s']:.3f}x), peak RSS "
+            f"{p['peak_mb'] / v['peak_mb']:.3f}x (increase over imports {p['delta_mb'] / max(v['delta_mb'], 1):.3f}x; "
+            f"after reading every weight {p['touched_mb'] / v['touched_mb']:.3f}x), "
+            f"save time {runs['patched'][0]['save_s'] / runs['vanilla'][0]['save_s']:.3f}x, "
+            f"warm load time {warm['patched'] / warm['vanilla']:.3f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -37,10 +37,20 @@ MODES = ("vanilla", "modelpatch", "transformers")
 def _config(layers: int):
     from transformers import Qwen2MoeConfig
 
-    return Qwen2MoeConfig(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512,
-                          shared_expert_intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=8,
-                          num_key_value_heads=8, num_experts=16, num_experts_per_tok=2, vocab_size=32000,
-                          qkv_bias=True, tie_word_embeddings=False)
+    return Qwen2MoeConfig(
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_experts=16,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        qkv_bias=True,
+        tie_word_embeddings=False,
+    )
 
 
 def _peak_rss_mb() -> float:
@@ -73,9 +83,17 @@ def child(mode: str, folder: str, out: str) -> None:
         from modelpatch.recipes import FULL_EXAMPLE
 
         register_patch_mapping(dict(FULL_EXAMPLE.patch_mapping))
-        register_checkpoint_conversion_mapping("qwen2_moe", [WeightConverter(
-            source_patterns=["q_proj", "k_proj", "v_proj"], target_patterns=["qkv_proj"],
-            operations=[Concatenate(dim=0)])], overwrite=True)
+        register_checkpoint_conversion_mapping(
+            "qwen2_moe",
+            [
+                WeightConverter(
+                    source_patterns=["q_proj", "k_proj", "v_proj"],
+                    target_patterns=["qkv_proj"],
+                    operations=[Concatenate(dim=0)],
+                )
+            ],
+            overwrite=True,
+        )
     elif mode == "modelpatch":
         from modelpatch.recipes import FULL_EXAMPLE
     base = _peak_rss_mb()
@@ -96,15 +114,30 @@ def child(mode: str, folder: str, out: str) -> None:
         save_s, exact = time.perf_counter() - start, _same_as(folder, out)
     except Exception as exc:  # noqa: BLE001 - the reference may fail to save: report it
         save_s, exact = float("nan"), f"{type(exc).__name__}: {exc}"[:120]
-    print(json.dumps({"load_s": load_s, "peak_mb": peak, "peak_read_mb": peak_read, "checksum": checksum,
-                      "delta_mb": peak - base, "save_s": save_s, "exact": exact,
-                      "class": type(model.model.layers[0].mlp.experts).__name__}))
+    print(
+        json.dumps(
+            {
+                "load_s": load_s,
+                "peak_mb": peak,
+                "peak_read_mb": peak_read,
+                "checksum": checksum,
+                "delta_mb": peak - base,
+                "save_s": save_s,
+                "exact": exact,
+                "class": type(model.model.layers[0].mlp.experts).__name__,
+            }
+        )
+    )
 
 
 def _run_child(mode: str, folder: str, out: str) -> dict:
     env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, folder, out],
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", mode, folder, out],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -132,16 +165,28 @@ def run(repeats: int = 3, layers: int = 4, verbose: bool = True) -> list[tuple]:
     med = {}
     for mode, results in runs.items():
         ok = [r for r in results if "error" not in r]
-        med[mode] = {k: statistics.median(r[k] for r in ok) for k in ("load_s", "peak_mb", "peak_read_mb", "save_s")} if ok else None
+        med[mode] = (
+            {k: statistics.median(r[k] for r in ok) for k in ("load_s", "peak_mb", "peak_read_mb", "save_s")}
+            if ok
+            else None
+        )
         med[mode] = med[mode] and {**med[mode], "exact": ok[0]["exact"]}
         if not ok and verbose:
             print(f"{mode}: failed: {results[0]['error']}")
     rows = []
-    for figure, key, unit in (("from_pretrained, full example", "load_s", "s"),
-                              ("peak RSS right after from_pretrained", "peak_mb", "MB"),
-                              ("peak RSS once every weight was read", "peak_read_mb", "MB"),
-                              ("save_pretrained (reverse conversion), full example", "save_s", "s")):
-        rows.append((figure, *(med[m][key] if med[m] else float("nan") for m in ("modelpatch", "transformers", "vanilla")), unit))
+    for figure, key, unit in (
+        ("from_pretrained, full example", "load_s", "s"),
+        ("peak RSS right after from_pretrained", "peak_mb", "MB"),
+        ("peak RSS once every weight was read", "peak_read_mb", "MB"),
+        ("save_pretrained (reverse conversion), full example", "save_s", "s"),
+    ):
+        rows.append(
+            (
+                figure,
+                *(med[m][key] if med[m] else float("nan") for m in ("modelpatch", "transformers", "vanilla")),
+                unit,
+            )
+        )
     if verbose:
         for mode in MODES:
             if med[mode]:
@@ -152,8 +197,10 @@ def run(repeats: int = 3, layers: int = 4, verbose: bool = True) -> list[tuple]:
 def print_rows(rows) -> None:
     print(f"{'figure':<52} {'modelpatch':>11} {'transformers':>13} {'vanilla':>9} {'mp/tf':>7} {'mp/vanilla':>10}")
     for figure, ours, theirs, vanilla, unit in rows:
-        print(f"{figure:<52} {ours:>9.3f}{unit:<2} {theirs:>11.3f}{unit:<2} {vanilla:>7.3f}{unit:<2} "
-              f"{ours / theirs:>7.3f} {ours / vanilla:>10.3f}")
+        print(
+            f"{figure:<52} {ours:>9.3f}{unit:<2} {theirs:>11.3f}{unit:<2} {vanilla:>7.3f}{unit:<2} "
+            f"{ours / theirs:>7.3f} {ours / vanilla:>10.3f}"
+        )
 
 
 def main() -> None:

@@ -79,7 +79,10 @@ def build_recipe_model(config, state_dict):
     model.load_state_dict(state_dict)
     inner = model.model
     existing = _CAN_RECORD_REGISTRY.get(inner) or {}
-    _CAN_RECORD_REGISTRY[inner] = {**existing, "selected_experts": OutputRecorder(ReplayableQwen3MoeTopKRouter, index=2)}
+    _CAN_RECORD_REGISTRY[inner] = {
+        **existing,
+        "selected_experts": OutputRecorder(ReplayableQwen3MoeTopKRouter, index=2),
+    }
     return model
 
 
@@ -94,9 +97,19 @@ def main():
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=2,
-        vocab_size=1024, max_position_embeddings=4096, decoder_sparse_step=1, mlp_only_layers=[],
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=2,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
     )
     config._attn_implementation = "sdpa"
     model = Qwen3MoeForCausalLM(config).eval()
@@ -150,8 +163,10 @@ def main():
         with replay_routing(model, trace):
             replayed = model(ids).logits
     base = statistics.median(times["plain forward"])
-    print(f"Qwen3-MoE hidden 512, 8 layers, 16 experts, top-2, {args.tokens} tokens; torch threads "
-          f"{torch.get_num_threads()}; median of {args.rounds} interleaved rounds")
+    print(
+        f"Qwen3-MoE hidden 512, 8 layers, 16 experts, top-2, {args.tokens} tokens; torch threads "
+        f"{torch.get_num_threads()}; median of {args.rounds} interleaved rounds"
+    )
     cpu_base = statistics.median(cpu["plain forward"])
     print(f"{'variant':48s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s}")
     for name in variants:

@@ -34,9 +34,11 @@ def machine() -> str:
     import torch
     import transformers
 
-    return (f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"torch threads {torch.get_num_threads()}")
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
 
 
 def run_script(path: str, timeout: float) -> tuple[int, float, str]:
@@ -44,8 +46,9 @@ def run_script(path: str, timeout: float) -> tuple[int, float, str]:
     env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, path], capture_output=True, text=True, env=env, timeout=timeout,
-                              cwd=os.path.dirname(HERE))
+        done = subprocess.run(
+            [sys.executable, path], capture_output=True, text=True, env=env, timeout=timeout, cwd=os.path.dirname(HERE)
+        )
         code, output = done.returncode, done.stdout + (done.stderr if done.returncode else "")
     except subprocess.TimeoutExpired as exc:
         code, output = 124, f"(timed out after {timeout:.0f} s)\n{exc.stdout or ''}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file

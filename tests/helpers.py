@@ -26,8 +26,13 @@ from transformers import (
 )
 
 TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=128, max_position_embeddings=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
 )
 """Sizes every tiny decoder config starts from."""
 
@@ -61,8 +66,13 @@ def tiny_qwen3_config(**overrides) -> Qwen3Config:
 
 def tiny_qwen2_moe_config(**overrides) -> Qwen2MoeConfig:
     """Multi-head attention (4 key/value heads) unless overridden, like the founding document's example."""
-    return _config(Qwen2MoeConfig, TINY, TINY_MOE, dict(shared_expert_intermediate_size=64, num_key_value_heads=4,
-                                                          num_experts=4), overrides=overrides)
+    return _config(
+        Qwen2MoeConfig,
+        TINY,
+        TINY_MOE,
+        dict(shared_expert_intermediate_size=64, num_key_value_heads=4, num_experts=4),
+        overrides=overrides,
+    )
 
 
 def tiny_qwen3_moe_config(**overrides) -> Qwen3MoeConfig:
@@ -80,39 +90,84 @@ def tiny_olmoe_config(**overrides) -> OlmoeConfig:
 
 def tiny_deepseek_v3_config(**overrides) -> DeepseekV3Config:
     """Layer 0 dense, layer 1 MoE (4 routed experts, one group); multi-head latent attention without q LoRA."""
-    return _config(DeepseekV3Config, TINY, TINY_MOE, dict(
-        n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), overrides=overrides)
+    return _config(
+        DeepseekV3Config,
+        TINY,
+        TINY_MOE,
+        dict(
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+        overrides=overrides,
+    )
 
 
 def tiny_bert_config(**overrides) -> BertConfig:
-    return _config(BertConfig, dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
-        max_position_embeddings=64), overrides=overrides)
+    return _config(
+        BertConfig,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=128,
+            max_position_embeddings=64,
+        ),
+        overrides=overrides,
+    )
 
 
 def tiny_gpt2_config(**overrides) -> GPT2Config:
-    return _config(GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64),
-                   overrides=overrides)
+    return _config(
+        GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64), overrides=overrides
+    )
 
 
 def tiny_gpt_neo_config(**overrides) -> GPTNeoConfig:
-    return _config(GPTNeoConfig, dict(
-        hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], vocab_size=128,
-        max_position_embeddings=64, window_size=8), overrides=overrides)
+    return _config(
+        GPTNeoConfig,
+        dict(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            attention_types=[[["global", "local"], 1]],
+            vocab_size=128,
+            max_position_embeddings=64,
+            window_size=8,
+        ),
+        overrides=overrides,
+    )
 
 
 def tiny_gpt_neox_config(**overrides) -> GPTNeoXConfig:
-    return _config(GPTNeoXConfig, dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
-        overrides=overrides)
+    return _config(
+        GPTNeoXConfig,
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
+        overrides=overrides,
+    )
 
 
 def tiny_clip_vision_config(**overrides) -> CLIPVisionConfig:
     """A vision tower for tiny Llava models: hidden size 32, 2 layers, 32x32 images in 8x8 patches."""
-    return _config(CLIPVisionConfig, dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-        patch_size=8), overrides=overrides)
+    return _config(
+        CLIPVisionConfig,
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        overrides=overrides,
+    )
 
 
 def save_tiny(model_cls, config, path, seed: int = 0):

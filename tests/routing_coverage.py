@@ -16,10 +16,9 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 sys.path.insert(0, str(Path(__file__).parent))
-from routing_models import ExpertsObserver, perturb_routers, router_weight, tiny_config  # noqa: E402
-
 from modelpatch.routing import find_router_sites, record_routing, replay_routing  # noqa: E402
 from modelpatch.routing.kinds import UNSUPPORTED_FAMILIES  # noqa: E402
+from routing_models import ExpertsObserver, perturb_routers, router_weight, tiny_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -68,6 +67,8 @@ def readme_table() -> str:
 def write_readme_table(table: str) -> None:
     text = README.read_text(encoding="utf-8")
     README.write_text(text[: text.index(START) + len(START)] + table + text[text.index(END) :], encoding="utf-8")
+
+
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 _TOP_K = ("num_experts_per_tok", "top_k", "moe_k", "moe_topk", "num_experts_per_token", "router_top_k")
 _SUBS = ("text_config", "language_config", "thinker_config", "talker_config", "llm_config", "decoder_config")
@@ -82,8 +83,10 @@ def _get(cfg, name):
 
 
 def _has_int(cfg, names):
-    return any(_get(cfg, n) == "per-layer" or (isinstance(_get(cfg, n), int) and not isinstance(_get(cfg, n), bool))
-               for n in names)
+    return any(
+        _get(cfg, n) == "per-layer" or (isinstance(_get(cfg, n), int) and not isinstance(_get(cfg, n), bool))
+        for n in names
+    )
 
 
 _DEFAULTS: dict = {}
@@ -158,8 +161,9 @@ def check_family(model_type: str) -> tuple[bool, str, str]:
     except Exception as e:  # noqa: BLE001
         return False, "-", _why(e)
     router = type(sites[0].module).__name__
-    ids = torch.randint(3, min(100, model.config.get_text_config().vocab_size), (2, 6),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        3, min(100, model.config.get_text_config().vocab_size), (2, 6), generator=torch.Generator().manual_seed(0)
+    )
     try:
         with torch.no_grad():
             with ExpertsObserver(model) as seen, record_routing(model) as trace:

@@ -11,9 +11,8 @@ import torch.distributed as dist
 
 def run(rank: int, world: int, init_file: str, out_file: str) -> None:
     sys.path.insert(0, __file__.rsplit("/", 1)[0])  # when started as a script
-    from routing_models import perturb_routers, tiny_model
-
     from modelpatch.routing import find_router_sites, record_routing, replay_routing
+    from routing_models import perturb_routers, tiny_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

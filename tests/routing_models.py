@@ -10,28 +10,81 @@ from helpers import TINY
 
 # Twelve representative MoE families, with the per-family config keys that make a tiny model exercise routing.
 REQUIRED_FAMILIES = [
-    "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "olmoe", "deepseek_v3",
-    "glm4_moe", "gpt_oss", "granitemoe", "jamba", "minimax", "phimoe",
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_next",
+    "mixtral",
+    "olmoe",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "granitemoe",
+    "jamba",
+    "minimax",
+    "phimoe",
 ]
 
 # Every family's name for each size, set to one tiny value (a config ignores the names it does not have): the shared
 # decoder sizes of helpers.TINY, narrower dense MLPs, 8 experts, top-2.
 _TINY = dict(
-    TINY, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=16,
-    max_position_embeddings=256, expert_ffn_hidden_size=32, ffn_hidden_size=64, num_experts=8, num_local_experts=8,
-    n_routed_experts=8, moe_num_experts=8,
-    num_experts_per_tok=2, moe_topk=2, top_k=2, moe_k=2, n_shared_experts=1, n_group=2, topk_group=1,
-    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
-    v_head_dim=16, qk_head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-    linear_num_value_heads=2, tie_word_embeddings=False, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2, decoder_start_token_id=None, use_cache=True,
+    TINY,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    head_dim=16,
+    max_position_embeddings=256,
+    expert_ffn_hidden_size=32,
+    ffn_hidden_size=64,
+    num_experts=8,
+    num_local_experts=8,
+    n_routed_experts=8,
+    moe_num_experts=8,
+    num_experts_per_tok=2,
+    moe_topk=2,
+    top_k=2,
+    moe_k=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    qk_head_dim=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=None,
+    use_cache=True,
 )
 _PER_FAMILY = {
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
-                  mamba_d_state=4, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False),
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=1,
+        expert_layer_offset=0,
+        mamba_d_state=4,
+        mamba_d_conv=2,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
+    ),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
-    "granitemoehybrid": dict(layer_types=["linear_attention", "attention"], mamba_n_heads=4, mamba_d_head=32,
-                             mamba_d_state=8, mamba_n_groups=1, mamba_expand=2),
+    "granitemoehybrid": dict(
+        layer_types=["linear_attention", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_expand=2,
+    ),
     "flint": dict(mlp_only_layers=[0]),
     "beam": dict(mlp_layer_types=["dense", "sparse"]),
     "kimi_linear": dict(linear_head_dim=16, linear_num_heads=4),
@@ -50,7 +103,12 @@ def tiny_config(model_type: str, **overrides):
     if isinstance(getattr(default, "sliding_window", None), int):
         kwargs["sliding_window"] = 16
     types = getattr(default, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types and "layer_types" not in kwargs and "layer_types" in default.to_dict():
+    if (
+        isinstance(types, (list, tuple))
+        and types
+        and "layer_types" not in kwargs
+        and "layer_types" in default.to_dict()
+    ):
         # keep the family's mix of layer types, with at least one full-attention layer last
         n = kwargs.get("num_hidden_layers", 2)
         kinds = list(dict.fromkeys(types))
@@ -60,7 +118,9 @@ def tiny_config(model_type: str, **overrides):
     if "qk_rope_head_dim" in kwargs and "head_dim" not in _PER_FAMILY.get(model_type, {}):  # MLA attention
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
-    kwargs.update({k: v for k, v in _PER_FAMILY.get(model_type, {}).items() if k in default.to_dict() or k == "layer_types"})
+    kwargs.update(
+        {k: v for k, v in _PER_FAMILY.get(model_type, {}).items() if k in default.to_dict() or k == "layer_types"}
+    )
     kwargs.update(overrides)
     cfg = cls(**kwargs)
     cfg._attn_implementation = "eager"
@@ -72,7 +132,7 @@ def tiny_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
     cfg = tiny_config(model_type, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with torch.no_grad():  # routers start near uniform: spread their logits so routing is clear-cut
-        for name, module in model.named_modules():
+        for module in model.modules():
             if type(module).__name__.endswith("Router"):
                 router_weight(module).normal_(0, 0.5)
     return model.eval()
@@ -87,7 +147,11 @@ class ExpertsObserver:
         self._handles = []
         for name, module in model.named_modules():
             cls = type(module).__name__
-            if cls.endswith("Experts") and not name.rsplit(".", 1)[-1].startswith("shared") and ".layers." in f".{name}":
+            if (
+                cls.endswith("Experts")
+                and not name.rsplit(".", 1)[-1].startswith("shared")
+                and ".layers." in f".{name}"
+            ):
                 layer = int(name.split("layers.")[1].split(".")[0])
                 self._handles.append(module.register_forward_pre_hook(self._hook(layer), with_kwargs=True))
 

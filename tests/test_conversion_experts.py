@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
+
 from conversion_models import (
     PER_EXPERT_RULES,
     ModuleListExperts,
@@ -14,13 +21,6 @@ from conversion_models import (
     randomize_,
 )
 from helpers import tiny_mixtral_config, tiny_qwen2_moe_config, tiny_qwen3_moe_config
-from transformers import (
-    AutoModelForCausalLM,
-    MixtralForCausalLM,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeForCausalLM,
-)
-
 from modelpatch.conversion import apply_conversion_rules
 
 CASES = {  # 4 experts each (the test shifts expert e by 10 * e), GQA

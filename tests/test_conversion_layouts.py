@@ -5,14 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conversion_models import (
-    QKV_RULE,
-    assert_same_tensors,
-    checkpoint,
-    clean_conversions,  # noqa: F401 - autouse fixture
-    randomize_,
-)
-from helpers import INPUT_IDS, tiny_clip_vision_config, tiny_llama_config, tiny_qwen2_moe_config
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -22,6 +14,14 @@ from transformers import (
     Qwen2MoeForCausalLM,
 )
 
+from conversion_models import (
+    QKV_RULE,
+    assert_same_tensors,
+    checkpoint,
+    clean_conversions,  # noqa: F401 - autouse fixture
+    randomize_,
+)
+from helpers import INPUT_IDS, tiny_clip_vision_config, tiny_llama_config, tiny_qwen2_moe_config
 from modelpatch.conversion import ConversionError, apply_conversion_rules, load_converted_state_dict
 from modelpatch.recipes import get_recipe
 

@@ -10,6 +10,10 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, modeling_utils
+
 from conversion_models import (
     QKV_RULE,
     FusedQKVAttention,
@@ -21,11 +25,6 @@ from conversion_models import (
     randomize_,
 )
 from helpers import tiny_llama_config
-from safetensors import safe_open
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
-from transformers import modeling_utils
-
 from modelpatch.conversion import apply_conversion_rules, hooks, load_converted_state_dict
 from modelpatch.conversion.pages import release_pages
 
@@ -128,10 +127,10 @@ def test_only_the_sources_own_bytes_are_released_from_a_shared_buffer():
     page = 4096 // 4
     buffer = torch.arange(8 * page, dtype=torch.float32)
     before = buffer.clone()
-    source = buffer[2 * page: 6 * page]
+    source = buffer[2 * page : 6 * page]
     assert 0 < release_pages([source], []) <= 4 * 4096
     assert torch.equal(buffer[: 2 * page], before[: 2 * page])  # the neighbours in the same storage are intact
-    assert torch.equal(buffer[6 * page:], before[6 * page:])
+    assert torch.equal(buffer[6 * page :], before[6 * page :])
 
 
 @linux_only

@@ -7,6 +7,8 @@ import logging
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
 from conversion_models import (
     QKV_RULE,
     FusedQKVAttention,
@@ -19,16 +21,15 @@ from conversion_models import (
     randomize_,
 )
 from helpers import tiny_llama_config
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
 from modelpatch.conversion import (
     ConversionError,
-    conversion_report,
     apply_conversion_rules,
+    conversion_report,
     convert_checkpoint,
     load_converted_state_dict,
     register_checkpoint_conversion_mapping,
 )
+
 
 @pytest.fixture(scope="module")
 def sharded_llama(tmp_path_factory):
@@ -98,7 +99,9 @@ def test_offline_renaming_round_trip(sharded_llama, tmp_path):
     rule = WeightRenaming(r"self_attn\.o_proj", "self_attn.out_proj")
     rows = convert_checkpoint(folder, tmp_path / "renamed", rules=[rule], progress=False)
     renamed = checkpoint(tmp_path / "renamed")
-    assert torch.equal(renamed["model.layers.1.self_attn.out_proj.weight"], ck["model.layers.1.self_attn.o_proj.weight"])
+    assert torch.equal(
+        renamed["model.layers.1.self_attn.out_proj.weight"], ck["model.layers.1.self_attn.o_proj.weight"]
+    )
     assert not any(".o_proj." in k for k in renamed)
     assert len(rows) == 2
     convert_checkpoint(tmp_path / "renamed", tmp_path / "back", rules=[rule], reverse=True)

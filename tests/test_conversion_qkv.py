@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen2MoeForCausalLM,
+)
+
 from conversion_models import (
     QKV_RULE,
     FusedQKVAttention,
@@ -17,16 +24,9 @@ from conversion_models import (
     randomize_,
 )
 from helpers import tiny_llama_config, tiny_qwen2_config, tiny_qwen2_moe_config
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen2MoeForCausalLM,
-)
-
 from modelpatch.conversion import (
-    conversion_report,
     apply_conversion_rules,
+    conversion_report,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
@@ -80,8 +80,12 @@ def test_fused_qkv_load_and_save(case, tmp_path_factory, tmp_path):
 def test_founding_document_qwen2_moe_example(kv_heads, tmp_path_factory, tmp_path):
     """The seed's full example: per-expert ModuleListExperts + FusedQKVAttention + a Concatenate rule registered
     with overwrite=True over the built-in qwen2_moe rules."""
-    vanilla, folder, ck = saved(tmp_path_factory, f"qwen2moe-{kv_heads}", Qwen2MoeForCausalLM,
-                                tiny_qwen2_moe_config(num_key_value_heads=kv_heads))
+    vanilla, folder, ck = saved(
+        tmp_path_factory,
+        f"qwen2moe-{kv_heads}",
+        Qwen2MoeForCausalLM,
+        tiny_qwen2_moe_config(num_key_value_heads=kv_heads),
+    )
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in ck  # Transformers saves the hub (per-expert) layout
     with patched({"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}):
         register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE], overwrite=True)
@@ -147,7 +151,8 @@ def test_report_lists_fired_rules(tmp_path_factory):
     model = _load_fused(folder, "LlamaAttention", "llama")
     rows = conversion_report(model)
     assert [r.target_keys for r in rows] == [
-        ("model.layers.0.self_attn.qkv_proj.weight",), ("model.layers.1.self_attn.qkv_proj.weight",)
+        ("model.layers.0.self_attn.qkv_proj.weight",),
+        ("model.layers.1.self_attn.qkv_proj.weight",),
     ]
     assert rows[0].registered_as == "llama" and rows[0].direction == "load"
     assert rows[0].source_keys == tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")

@@ -6,6 +6,9 @@ import threading
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
+from transformers import conversion_mapping as tcm
+
 from conversion_models import (
     PER_EXPERT_RULES,
     QKV_RULE,
@@ -19,9 +22,6 @@ from conversion_models import (
     randomize_,
 )
 from helpers import tiny_qwen2_moe_config
-from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
-from transformers import conversion_mapping as tcm
-
 from modelpatch import apply_patches
 from modelpatch.conversion import (
     Concatenate,
@@ -92,7 +92,10 @@ def test_bad_registration_leaves_registry_unchanged():
 def test_patterns_match_on_module_path_boundaries():
     rule = WeightConverter("experts.down_proj", "experts.*.down_proj.weight", [SplitModulelist(dim=0)])
     assert rule.rename_source_key("model.layers.0.mlp.shared_experts.down_proj.weight")[1] is None
-    assert rule.rename_source_key("model.layers.0.mlp.experts.down_proj")[0] == "model.layers.0.mlp.experts.*.down_proj.weight"
+    assert (
+        rule.rename_source_key("model.layers.0.mlp.experts.down_proj")[0]
+        == "model.layers.0.mlp.experts.*.down_proj.weight"
+    )
     reverse = rule.reverse_transform()
     assert reverse.rename_source_key("model.layers.0.mlp.shared_experts.down_proj.weight")[1] is None
     renaming = WeightRenaming("attn", "self_attn")
@@ -143,12 +146,15 @@ def test_scope_is_local_to_the_thread():
 def test_class_name_wins_over_model_type(qwen2_moe, tmp_path):
     _, folder, ck = qwen2_moe
     wrong = WeightConverter(["q_proj", "k_proj"], "qkv_proj", [Concatenate(dim=0)])  # would not fit the model
-    with patched({"Qwen2MoeAttention": FusedQKVAttention}), apply_conversion_rules(
-        {"qwen2_moe": [wrong], "Qwen2MoeForCausalLM": [QKV_RULE]}
+    with (
+        patched({"Qwen2MoeAttention": FusedQKVAttention}),
+        apply_conversion_rules({"qwen2_moe": [wrong], "Qwen2MoeForCausalLM": [QKV_RULE]}),
     ):
         model = AutoModelForCausalLM.from_pretrained(folder)
     expected = expected_fused(model.state_dict(), ck)
-    assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, expected["model.layers.0.self_attn.qkv_proj.weight"])
+    assert torch.equal(
+        model.model.layers[0].self_attn.qkv_proj.weight, expected["model.layers.0.self_attn.qkv_proj.weight"]
+    )
     # composed with the built-in experts rule (not replaced): the fused experts were loaded too
     gate = ck["model.layers.0.mlp.experts.2.gate_proj.weight"]
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj[2][: gate.shape[0]], gate)

@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.utils import output_capturing as _capturing
 
 import modelpatch
+from helpers import INPUT_IDS, save_tiny, tiny_llama_config, tiny_qwen2_moe_config
 from modelpatch import (
     Concatenate,
     ModelpatchError,
@@ -29,8 +30,6 @@ from modelpatch import (
 from modelpatch.integrations import transformers as integration
 from modelpatch.recipes import get_recipe
 from modelpatch.undo import ABSENT, UndoStack
-
-from helpers import INPUT_IDS, save_tiny, tiny_llama_config, tiny_qwen2_moe_config
 
 FusedQKVAttention = get_recipe("llama-fused-qkv").patch_mapping["LlamaAttention"]
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
@@ -173,8 +172,9 @@ def test_apply_patches_with_overwrite_loads_like_the_recipe(tmp_path):
         by_recipe = AutoModelForCausalLM.from_pretrained(tmp_path)
     overwritten = [name for name, spec in recipe.conversion.items() if spec.overwrite]
     assert overwritten == ["qwen2_moe"]
-    with apply_patches(dict(recipe.patch_mapping), strict=True, conversion_rules=recipe.build_conversion_rules(),
-                       overwrite=overwritten):
+    with apply_patches(
+        dict(recipe.patch_mapping), strict=True, conversion_rules=recipe.build_conversion_rules(), overwrite=overwritten
+    ):
         by_block = AutoModelForCausalLM.from_pretrained(tmp_path)
     a, b = by_recipe.state_dict(), by_block.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -206,7 +206,9 @@ def test_scope_start_stop_and_replacement_of():
 
 def test_uninstall_restores_transformers_exactly_and_install_puts_it_back(tmp_path):
     save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
-    wrapped = {name: vars(PreTrainedModel)[name] for name in ("from_pretrained", "_from_config", "__init__", "post_init")}
+    wrapped = {
+        name: vars(PreTrainedModel)[name] for name in ("from_pretrained", "_from_config", "__init__", "post_init")
+    }
     integration.uninstall()
     try:
         assert not integration.installed()

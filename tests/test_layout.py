@@ -29,8 +29,18 @@ ALLOWED = {
     "blocks": {"errors", "undo", "patching", "conversion"},
     "integrations": {"errors", "undo", "patching", "outputs", "conversion", "routing", "blocks"},
     "recipes": {"errors", "undo", "patching", "conversion", "blocks"},
-    "cli": {"errors", "undo", "patching", "outputs", "conversion", "routing", "blocks", "recipes", "integrations",
-            "__init__"},
+    "cli": {
+        "errors",
+        "undo",
+        "patching",
+        "outputs",
+        "conversion",
+        "routing",
+        "blocks",
+        "recipes",
+        "integrations",
+        "__init__",
+    },
     "__init__": None,  # the public API re-exports everything
 }
 
@@ -113,7 +123,7 @@ def test_no_import_cycle_even_through_imports_inside_functions(graph):
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()

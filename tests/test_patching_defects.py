@@ -73,8 +73,15 @@ def _modelpatch_records(caplog, level):
 
 def _tiny_qwen3_moe_config():
     return Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=128,
     )
 
 
@@ -137,8 +144,9 @@ def test_classes_of_a_reloaded_modeling_module_are_replaced(caplog):
     # persimmon: a family no other test uses; its namespace is restored afterwards
     from transformers.models.persimmon import modeling_persimmon
 
-    config = PersimmonConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             vocab_size=128)
+    config = PersimmonConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+    )
     with apply_patches({"PersimmonMLP": Inert}):  # the module is catalogued before the reload
         assert type(modeling_persimmon.PersimmonMLP(config)) is Inert
     saved = dict(vars(modeling_persimmon))
@@ -158,7 +166,7 @@ def test_classes_of_a_reloaded_modeling_module_are_replaced(caplog):
         vars(modeling_persimmon).update(saved)
 
 
-REMOTE_CONFIGURATION = '''
+REMOTE_CONFIGURATION = """
 from transformers import PretrainedConfig
 
 class TinyRemoteConfig(PretrainedConfig):
@@ -168,9 +176,9 @@ class TinyRemoteConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_blocks = num_blocks
         super().__init__(**kwargs)
-'''
+"""
 
-REMOTE_MODELING = '''
+REMOTE_MODELING = """
 import torch.nn as nn
 from transformers import PreTrainedModel
 from .configuration_tiny_remote import TinyRemoteConfig
@@ -195,7 +203,7 @@ class TinyRemoteModel(PreTrainedModel):
         for block in self.blocks:
             x = block(x)
         return x
-'''
+"""
 
 
 class DoubledBlock(nn.Module):
@@ -210,11 +218,19 @@ class DoubledBlock(nn.Module):
 def _remote_checkpoint(path):
     (path / "configuration_tiny_remote.py").write_text(REMOTE_CONFIGURATION)
     (path / "modeling_tiny_remote.py").write_text(REMOTE_MODELING)
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "tiny_remote", "hidden_size": 16, "num_blocks": 2,
-        "auto_map": {"AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
-                     "AutoModel": "modeling_tiny_remote.TinyRemoteModel"},
-    }))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "tiny_remote",
+                "hidden_size": 16,
+                "num_blocks": 2,
+                "auto_map": {
+                    "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+                    "AutoModel": "modeling_tiny_remote.TinyRemoteModel",
+                },
+            }
+        )
+    )
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     AutoModel.from_config(config, trust_remote_code=True).save_pretrained(path)
 
@@ -263,8 +279,15 @@ def test_remote_code_module_executed_again_in_place_is_patched(tmp_path, caplog)
 
 
 def _tiny_qwen2_config():
-    return Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    return Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
 
 
 def test_registry_for_two_families_loads_each_quietly_and_under_strict(tmp_path, caplog):

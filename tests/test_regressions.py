@@ -140,8 +140,9 @@ def test_strict_block_raises_for_a_conversion_rule_matching_nothing(tmp_path):
     qkv = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
     never = WeightConverter(["gate_a", "gate_b"], ["mlp.gate_ab"], [Concatenate(dim=0)])
     with pytest.raises(ConversionError, match="gate_a.*matched no checkpoint key"):
-        with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}, strict=True,
-                           conversion_rules={"llama": [qkv, never]}):
+        with apply_patches(
+            {"LlamaAttention": FusedQKVLlamaAttention}, strict=True, conversion_rules={"llama": [qkv, never]}
+        ):
             LlamaForCausalLM.from_pretrained(tmp_path)
 
 
@@ -178,8 +179,9 @@ def eager_llama():
 
 def modelpatch_hooks(model) -> int:
     """How many forward hooks defined by modelpatch (user output recorders' hooks) ``model`` holds."""
-    return sum(type(hook).__module__.startswith("modelpatch")
-               for m in model.modules() for hook in m._forward_hooks.values())
+    return sum(
+        type(hook).__module__.startswith("modelpatch") for m in model.modules() for hook in m._forward_hooks.values()
+    )
 
 
 def test_builtin_recorder_name_is_rejected():

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModel
 
 from modelpatch import patch_report, register_patch_mapping
 
-CONFIGURATION = '''
+CONFIGURATION = """
 from transformers import PretrainedConfig
 
 class TinyRemoteConfig(PretrainedConfig):
@@ -18,9 +18,9 @@ class TinyRemoteConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_blocks = num_blocks
         super().__init__(**kwargs)
-'''
+"""
 
-MODELING = '''
+MODELING = """
 import torch.nn as nn
 from transformers import PreTrainedModel
 from .configuration_tiny_remote import TinyRemoteConfig
@@ -45,7 +45,7 @@ class TinyRemoteModel(PreTrainedModel):
         for block in self.blocks:
             x = block(x)
         return x
-'''
+"""
 
 
 class DoubledBlock(nn.Module):
@@ -60,11 +60,19 @@ class DoubledBlock(nn.Module):
 def _write_repo(path):
     (path / "configuration_tiny_remote.py").write_text(CONFIGURATION)
     (path / "modeling_tiny_remote.py").write_text(MODELING)
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "tiny_remote", "hidden_size": 16, "num_blocks": 2,
-        "auto_map": {"AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
-                     "AutoModel": "modeling_tiny_remote.TinyRemoteModel"},
-    }))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "tiny_remote",
+                "hidden_size": 16,
+                "num_blocks": 2,
+                "auto_map": {
+                    "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+                    "AutoModel": "modeling_tiny_remote.TinyRemoteModel",
+                },
+            }
+        )
+    )
 
 
 def test_remote_code_class_is_replaced(tmp_path):

@@ -15,7 +15,6 @@ from modelpatch.routing import (
     record_routing,
     replay_routing,
 )
-
 from routing_models import REQUIRED_FAMILIES, ExpertsObserver, perturb_routers, tiny_model
 
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -83,9 +82,9 @@ def test_replay_forces_indices_and_router_gets_gradients(family):
     perturb_routers(model)  # the live routers would now pick other experts
     with torch.no_grad(), ExpertsObserver(model) as natural:
         model(ids)
-    assert any(
-        not torch.equal(natural.indices(layer), torch.cat(trace[layer])) for layer in trace.layers
-    ), "perturbation should change the natural routing"
+    assert any(not torch.equal(natural.indices(layer), torch.cat(trace[layer])) for layer in trace.layers), (
+        "perturbation should change the natural routing"
+    )
 
     model.train()
     with ExpertsObserver(model) as seen, replay_routing(model, trace):
@@ -165,7 +164,9 @@ def test_trace_range_and_layer_errors_name_the_layer():
     with pytest.raises(RoutingTraceError, match=r"trace MoE layers \[0\] do not match the model's MoE layers \[1\]"):
         with replay_routing(model, RoutingTrace({0: [torch.tensor([[0, 1]])]}, num_experts=8, top_k=2)):
             pass
-    with pytest.raises(RoutingTraceError, match=r"layer 3, sequence 0: expected shape \(num_tokens, 2\), received \(2, 3\)"):
+    with pytest.raises(
+        RoutingTraceError, match=r"layer 3, sequence 0: expected shape \(num_tokens, 2\), received \(2, 3\)"
+    ):
         RoutingTrace({3: [torch.zeros(2, 3, dtype=torch.long)]}, num_experts=8, top_k=2)
     with pytest.raises(RoutingTraceError, match=r"layer 3, sequence 0, token 0: expert ids must be distinct"):
         RoutingTrace({3: [torch.tensor([[4, 4]])]}, num_experts=8, top_k=2)
@@ -213,7 +214,9 @@ def test_replay_layouts_right_padding_and_packed(padding):
         ids[0, :5], mask[0, :5], ids[1], mask[1] = a, 1, b, 1
         kwargs = dict(input_ids=ids, attention_mask=mask)
     else:
-        kwargs = dict(input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(8)])[None])
+        kwargs = dict(
+            input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(8)])[None]
+        )
     with torch.no_grad(), ExpertsObserver(model) as seen, replay_routing(model, trace):
         model(**kwargs)
     for layer in trace.layers:
@@ -232,7 +235,7 @@ def test_replay_layouts_right_padding_and_packed(padding):
 def test_save_load_roundtrip_and_compact_storage(tmp_path):
     g = torch.Generator().manual_seed(0)
     trace = RoutingTrace(
-        {l: [torch.randperm(8, generator=g)[:2].repeat(5, 1), torch.full((3, 2), -1)] for l in (1, 3)},
+        {layer: [torch.randperm(8, generator=g)[:2].repeat(5, 1), torch.full((3, 2), -1)] for layer in (1, 3)},
         num_experts={1: 8, 3: 8},
         top_k=2,
         num_hidden_layers=4,

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from modelpatch.routing import RoutingTrace, RoutingTraceError, record_routing, replay_routing
-
 from routing_models import ExpertsObserver, perturb_routers, tiny_model
 
 
@@ -72,7 +71,10 @@ def test_errors_name_layer_expected_and_received(deepseek):
     arr[2, 2] = [1, 8]
     with pytest.raises(RoutingTraceError, match=r"layer 2, sequence 0: expected expert ids in \[0, 8\).*\[0, 8\]"):
         RoutingTrace.from_routed_experts(arr, deepseek)
-    with pytest.raises(RoutingTraceError, match=r"layer axis: expected 3 \(all hidden layers\) or 2 \(MoE layers \[1, 2\]\), received 5"):
+    with pytest.raises(
+        RoutingTraceError,
+        match=r"layer axis: expected 3 \(all hidden layers\) or 2 \(MoE layers \[1, 2\]\), received 5",
+    ):
         RoutingTrace.from_routed_experts(np.zeros((4, 5, 2), np.int32), deepseek)
     with pytest.raises(RoutingTraceError, match=r"layer 1, sequence 0: expected top_k 2, received 3"):
         RoutingTrace.from_routed_experts(np.zeros((4, 2, 3), np.int32), deepseek)
@@ -113,7 +115,7 @@ def test_multi_turn_stitching(deepseek):
         assert torch.equal(stitched[layer][0][:5], t1[layer][0][:5])
         assert torch.equal(stitched[layer][0][5:], t2[layer][0][5:])  # the free row filled by turn 2
     # turn 2 given as the new tokens only
-    only_new = RoutingTrace({l: [t2[l][0][6:]] for l in t2.layers}, num_experts=8, top_k=2)
+    only_new = RoutingTrace({layer: [t2[layer][0][6:]] for layer in t2.layers}, num_experts=8, top_k=2)
     assert a1.extend(only_new, next_turn_offset=6).sequence_lengths == [10]
     with pytest.raises(RoutingTraceError, match="next turn starts at token 7, expected at most 6"):
         a1.extend(only_new, next_turn_offset=7)

@@ -6,7 +6,6 @@ import functools
 import pytest
 import torch
 import torch.utils.checkpoint
-from routing_models import perturb_routers, tiny_model
 from transformers import GenerationConfig
 
 import modelpatch.routing.session as routing_session
@@ -17,6 +16,7 @@ from modelpatch.routing import (
     record_routing,
     replay_routing,
 )
+from routing_models import perturb_routers, tiny_model
 
 IDS = torch.tensor([[3, 5, 9, 17, 33, 4, 4, 4], [3, 8, 21, 40, 2, 7, 4, 4]])
 
@@ -93,8 +93,9 @@ def _grads(model, trace, schedule, enable=None):
     for m in model.modules():
         fn = m.__dict__.get("_gradient_checkpointing_func", m.__dict__.get("checkpoint_fn"))
         assert not getattr(fn, "_modelpatch_routing_bound", False)
-    return {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()
-            if p.grad is not None}
+    return {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,8 @@ def test_checkpoint_wrapper_layers_replay_in_any_order(reentrant, drifted, refer
 
     def enable(m):
         apply_activation_checkpointing(
-            m, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+            m,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
             check_fn=lambda mod: type(mod).__name__.endswith("DecoderLayer"),
         )
 
@@ -179,8 +181,11 @@ def test_router_inside_unbound_checkpoint_raises_at_forward(reentrant, drifted):
     mlp = model.model.layers[1].mlp  # checkpointed by hand: replay cannot reach its recomputation
     original = mlp.forward
     mlp.forward = lambda x: torch.utils.checkpoint.checkpoint(original, x, use_reentrant=reentrant)
-    with pytest.raises(RoutingReplayError, match=r"layer 1: the router runs inside a torch.utils.checkpoint call "
-                       r"that replay_routing is not bound to"):
+    with pytest.raises(
+        RoutingReplayError,
+        match=r"layer 1: the router runs inside a torch.utils.checkpoint call "
+        r"that replay_routing is not bound to",
+    ):
         with replay_routing(model, trace):
             model(_A, labels=_A)
     assert "forward" not in find_router_sites(model)[0][1].module.__dict__
@@ -223,8 +228,11 @@ def test_generate_steps_are_checked_to_continue_the_cache(monkeypatch):
     with pytest.raises(RoutingTraceError, match="ran the whole sequence again instead of continuing the KV cache"):
         with torch.no_grad(), record_routing(model):
             model.generate(_PROMPT, max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False)
-    with pytest.raises(RoutingTraceError, match=r"continues the KV cache from position \d+, the previous forward "
-                       r"ended at \d+: the cache was cropped"):
+    with pytest.raises(
+        RoutingTraceError,
+        match=r"continues the KV cache from position \d+, the previous forward "
+        r"ended at \d+: the cache was cropped",
+    ):
         with torch.no_grad(), record_routing(model):
             model.generate(_PROMPT, max_new_tokens=6, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
 

@@ -26,7 +26,6 @@ from modelpatch.routing import (
     record_routing,
     replay_routing,
 )
-
 from routing_models import perturb_routers, tiny_model
 
 _ROUTING = Path(modelpatch.routing.__file__).parent
@@ -66,8 +65,7 @@ def _watched(model) -> dict[str, torch.nn.Module]:
 
 def _snapshot(model):
     return {
-        name: (dict(m.__dict__), {t: dict(getattr(m, t)) for t in _HOOK_TABLES})
-        for name, m in _watched(model).items()
+        name: (dict(m.__dict__), {t: dict(getattr(m, t)) for t in _HOOK_TABLES}) for name, m in _watched(model).items()
     }
 
 
@@ -236,8 +234,11 @@ def test_trace_append_check_lengths_and_storage_dtypes():
     assert trace.layers == (1, 3) and trace.num_sequences == 0
     assert trace.storage_dtype(1) == torch.uint8 and trace.storage_dtype(3) == torch.uint16
     trace.append(1, 1, torch.tensor([[0, 3]], dtype=torch.int32))
-    with pytest.raises(RoutingTraceError, match=r"layer 3: expected 2 sequences with token counts \[0, 1\] \(as "
-                       r"layer 1\), received 0 sequences"):
+    with pytest.raises(
+        RoutingTraceError,
+        match=r"layer 3: expected 2 sequences with token counts \[0, 1\] \(as "
+        r"layer 1\), received 0 sequences",
+    ):
         trace.check_lengths()
     trace.append(3, 1, torch.tensor([[299, 0]]))
     trace.check_lengths()
@@ -326,13 +327,19 @@ def test_a_list_of_arrays_is_one_sequence_each_and_ambiguous_shapes_are_refused(
     assert RoutingTrace.from_routed_experts([torch.from_numpy(s) for s in seqs], model) == trace
     with pytest.raises(RoutingTraceError, match=r"attention_mask: given with a list of 2 per-sequence arrays"):
         RoutingTrace.from_routed_experts(seqs, model, attention_mask=np.ones((2, 5)))
-    with pytest.raises(RoutingTraceError, match=r"sequence 0: expected shape \(seq_len, num_layers, top_k\), "
-                       r"received \(2, 2\); a list is read as one array per sequence"):
+    with pytest.raises(
+        RoutingTraceError,
+        match=r"sequence 0: expected shape \(seq_len, num_layers, top_k\), "
+        r"received \(2, 2\); a list is read as one array per sequence",
+    ):
         RoutingTrace.from_routed_experts(list(seqs[0]), model)  # per-token rows: one sequence split in three
     with pytest.raises(RoutingTraceError, match=r"routed_experts: a nested list must be rectangular"):
         RoutingTrace.from_routed_experts([[[0, 1], [2, 3]], [[0, 1]]], model)
-    with pytest.raises(RoutingTraceError, match=r"routed_experts: expected one sequence \(seq_len, num_layers, "
-                       r"top_k\), a padded batch .*; received shape \(3, 4\)"):
+    with pytest.raises(
+        RoutingTraceError,
+        match=r"routed_experts: expected one sequence \(seq_len, num_layers, "
+        r"top_k\), a padded batch .*; received shape \(3, 4\)",
+    ):
         RoutingTrace.from_routed_experts(np.zeros((3, 4), np.int32), model)
     with pytest.raises(RoutingTraceError, match=r"received shape \(1, 1, 3, 2, 2\)"):
         RoutingTrace.from_routed_experts(np.zeros((1, 1, 3, 2, 2), np.int32).tolist(), model)
@@ -416,10 +423,15 @@ def test_docstrings_cite_nothing_a_reader_cannot_open():
         assert not re.search(r"SPEC|[Ii]ssue \d", text), path.name
 
 
-@pytest.mark.parametrize("error, builtin", [
-    (RoutingTraceError, ValueError), (RoutingReplayError, RuntimeError), (RoutingDiscoveryError, RuntimeError),
-    (RouterContractError, RuntimeError),
-])
+@pytest.mark.parametrize(
+    "error, builtin",
+    [
+        (RoutingTraceError, ValueError),
+        (RoutingReplayError, RuntimeError),
+        (RoutingDiscoveryError, RuntimeError),
+        (RouterContractError, RuntimeError),
+    ],
+)
 def test_routing_errors_are_modelpatch_errors_and_keep_their_builtin_base(error, builtin):
     assert issubclass(error, ModelpatchError) and issubclass(error, builtin)
     assert error.__module__ == "modelpatch.routing.errors"

@@ -37,15 +37,22 @@ def test_transformers_converter_with_an_operation_class_is_refused_at_registrati
             with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}, conversion_rules={"llama": [rule]}):
                 pass
         else:
-            with Recipe("r", "d", {"LlamaAttention": FusedQKVLlamaAttention}, {"llama": RuleSpec(lambda: [rule])}).apply():
+            with Recipe(
+                "r", "d", {"LlamaAttention": FusedQKVLlamaAttention}, {"llama": RuleSpec(lambda: [rule])}
+            ).apply():
                 pass
-    assert str(error.value) == f"operation transformers.core_model_loading.Concatenate is a class, not an instance: {FIX}"
+    assert (
+        str(error.value) == f"operation transformers.core_model_loading.Concatenate is a class, not an instance: {FIX}"
+    )
     assert registry.lookup("llama") is None  # nothing registered
 
 
 def test_single_operation_instead_of_a_list():
-    with pytest.raises(TypeError, match=r"operations must be a list, got one operation: write "
-                                        r"operations=\[Concatenate\(dim=0\)\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"operations must be a list, got one operation: write "
+        r"operations=\[Concatenate\(dim=0\)\]",
+    ):
         WeightConverter(*QKV, Concatenate(dim=0))
 
 

@@ -13,10 +13,6 @@ import torch.nn as nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, LlamaModel
 from transformers.models.llama import modeling_llama
 
-from modelpatch import apply_patches, get_patch_mapping, register_patch_mapping
-from modelpatch.patching.interception import hooked_classes
-from modelpatch.patching.scopes import active_scopes
-
 from helpers import (
     INPUT_IDS,
     save_tiny,
@@ -25,6 +21,9 @@ from helpers import (
     tiny_gpt_neox_config,
     tiny_llama_config,
 )
+from modelpatch import apply_patches, get_patch_mapping, register_patch_mapping
+from modelpatch.patching.interception import hooked_classes
+from modelpatch.patching.scopes import active_scopes
 
 ORIGINAL_ATTENTION = modeling_llama.LlamaAttention
 ORIGINAL_MLP = modeling_llama.LlamaMLP
@@ -59,9 +58,11 @@ class FailingAttention(modeling_llama.LlamaAttention):
 
 
 def attention_types(model):
-    return [type(layer.self_attn) for layer in model.model.layers] if hasattr(model, "model") else [
-        type(layer.self_attn) for layer in model.layers
-    ]
+    return (
+        [type(layer.self_attn) for layer in model.model.layers]
+        if hasattr(model, "model")
+        else [type(layer.self_attn) for layer in model.layers]
+    )
 
 
 def assert_pristine():
@@ -261,7 +262,12 @@ def test_broad_pattern_never_touches_non_module_names_or_torch():
         assert vars(ml) == before
         assert nn.Linear is torch_linear
         replaced = set(scope.resolved)
-    allowed = ("transformers.models.", "transformers_modules.", "transformers.pytorch_utils", "transformers.activations")
+    allowed = (
+        "transformers.models.",
+        "transformers_modules.",
+        "transformers.pytorch_utils",
+        "transformers.activations",
+    )
     assert all(cls.__module__.startswith(allowed) for cls in replaced)
     assert all(issubclass(cls, nn.Module) for cls in replaced)
     assert modeling_llama.LlamaModel in replaced
@@ -347,8 +353,10 @@ def test_composite_model_sub_models_built_from_sub_configs(tmp_path):
     )
     save_tiny(LlavaForConditionalGeneration, config, tmp_path)
     register_patch_mapping({"LlamaAttention": DelegatingAttention, "CLIPMLP": CustomClipMLP})
-    for model in (AutoModelForImageTextToText.from_pretrained(tmp_path),
-                  LlavaForConditionalGeneration._from_config(config)):
+    for model in (
+        AutoModelForImageTextToText.from_pretrained(tmp_path),
+        LlavaForConditionalGeneration._from_config(config),
+    ):
         language = model.model.language_model
         vision = model.model.vision_tower
         assert [type(layer.self_attn) for layer in language.layers] == [DelegatingAttention] * 2

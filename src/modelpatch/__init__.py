@@ -8,8 +8,6 @@ replacement classes, and record/replay MoE routing (:mod:`modelpatch.routing`). 
 """
 
 from .blocks import apply_patches
-from .errors import ModelpatchError
-from .patching.conflicts import Conflict
 from .conversion import (
     Chunk,
     Concatenate,
@@ -21,18 +19,20 @@ from .conversion import (
     Transpose,
     WeightConverter,
     WeightRenaming,
+    apply_conversion_rules,
     bind_conversion_rules,
     clear_checkpoint_conversion_mappings,
     conversion_report,
-    apply_conversion_rules,
     convert_checkpoint,
     get_checkpoint_conversion_mapping,
     load_converted_state_dict,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
+from .errors import ModelpatchError
 from .integrations.transformers import install as _install
 from .outputs import OutputRecorder, patch_output_recorders, register_output_recorder, unregister_output_recorder
+from .patching.conflicts import Conflict
 from .patching.provenance import Replacement, replacement_of
 from .patching.registry import (
     clear_patch_mapping,

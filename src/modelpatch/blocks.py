@@ -12,9 +12,9 @@ import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 
-from .errors import ModelpatchValueError
 from .conversion.registry import apply_conversion_rules as _conversion_rules
 from .conversion.registry import scoped_rulesets
+from .errors import ModelpatchValueError
 from .patching.registry import build_patch_mapping, registered_patch_mapping
 from .patching.scopes import PatchScope
 
@@ -61,9 +61,7 @@ def apply_patches(
     if conversion_rules is not None:
         scoped_rulesets(conversion_rules, overwrite=overwrite, strict=strict)  # validate now, not at entry
         if conversion_rules:
-            companions = (
-                functools.partial(_conversion_rules, conversion_rules, overwrite=overwrite, strict=strict),
-            )
+            companions = (functools.partial(_conversion_rules, conversion_rules, overwrite=overwrite, strict=strict),)
     elif overwrite:
         raise ModelpatchValueError("apply_patches(overwrite=...) applies to conversion_rules, and none were given")
     return PatchScope(resolved, explicit=True, strict=strict, companions=companions)

@@ -7,7 +7,13 @@ working, and ``except ModelpatchError`` catches everything modelpatch raises on 
 
 from __future__ import annotations
 
-__all__ = ["ModelpatchError", "ModelpatchValueError", "ModelpatchTypeError", "ModelpatchKeyError", "ModelpatchRuntimeError"]
+__all__ = [
+    "ModelpatchError",
+    "ModelpatchValueError",
+    "ModelpatchTypeError",
+    "ModelpatchKeyError",
+    "ModelpatchRuntimeError",
+]
 
 
 class ModelpatchError(Exception):

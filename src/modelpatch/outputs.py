@@ -32,6 +32,7 @@ import dataclasses
 import threading
 import weakref
 from contextvars import ContextVar
+from typing import Any
 
 import torch.nn as nn
 from transformers.modeling_utils import PreTrainedModel
@@ -48,7 +49,7 @@ _lock = threading.RLock()
 _ADDITIONS_ATTR = "_modelpatch_recorder_additions"  # {name: [OutputRecorder]} for replacement classes
 _USER_ATTR = "_modelpatch_output_recorders"  # {name: (OutputRecorder, ...)} registered on this instance
 _HOOKED_ATTR = "_modelpatch_recorders_hooked"  # {name: recorders tuple} whose hooks are installed
-_USER_CLASS: "weakref.WeakKeyDictionary[type, dict[str, tuple]]" = weakref.WeakKeyDictionary()
+_USER_CLASS: weakref.WeakKeyDictionary[type, dict[str, tuple]] = weakref.WeakKeyDictionary()
 
 
 class _MatchesNoModule(nn.Module):
@@ -80,7 +81,7 @@ def _user_recorders(model) -> dict[str, tuple]:
 class _InstanceAwareRegistry(_capturing._CanRecordRegistry):
     """Transformers' registry, plus modelpatch's per-instance additions and user recorders."""
 
-    def get(self, model):  # noqa: D102 - same contract as the parent
+    def get(self, model):  # type: ignore[override]  # same contract as the parent's get(model)
         base = super().get(model)
         additions = _own(model, _ADDITIONS_ATTR)
         user = _user_recorders(model)
@@ -283,8 +284,11 @@ def _is_or_replaces(module: nn.Module, target: type) -> bool:
     if isinstance(module, target):
         return True
     found = provenance(module)
-    return (found is not None and issubclass(found.original, target)
-            and not any(isinstance(m, target) for m in module.modules()))
+    return (
+        found is not None
+        and issubclass(found.original, target)
+        and not any(isinstance(m, target) for m in module.modules())
+    )
 
 
 def _matches(rec: OutputRecorder, path: str, module: nn.Module) -> bool:
@@ -356,13 +360,16 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ModelpatchValueError(f"Output recorder name {name!r} must be a Python identifier (used as output_<name>)")
-    recorders = []
+    specs: list = []
     for spec in _as_list(recorder):
         target, rec = _target_and_recorder(name, spec)
         if target is None or not (isinstance(target, type) and issubclass(target, nn.Module)):
-            raise ModelpatchTypeError(f"Recorder {spec!r} for output {name!r} must be an OutputRecorder or nn.Module subclass")
-        recorders.append(rec)
-    recorders = tuple(recorders)
+            raise ModelpatchTypeError(
+                f"Recorder {spec!r} for output {name!r} must be an OutputRecorder or nn.Module subclass"
+            )
+        specs.append(rec)
+    recorders = tuple(specs)
+    owners: list[Any]
     if isinstance(model_or_class, PreTrainedModel):
         owners = [m for m in model_or_class.modules() if isinstance(m, PreTrainedModel)]
     elif isinstance(model_or_class, type) and issubclass(model_or_class, PreTrainedModel):
@@ -376,7 +383,9 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
                 "of the base model (e.g. type(model.model))"
             )
     else:
-        raise ModelpatchTypeError(f"register_output_recorder needs a PreTrainedModel instance or subclass, got {model_or_class!r}")
+        raise ModelpatchTypeError(
+            f"register_output_recorder needs a PreTrainedModel instance or subclass, got {model_or_class!r}"
+        )
     for owner in owners:
         if name in _builtin_names(owner):
             raise ModelpatchValueError(
@@ -388,12 +397,16 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
         if isinstance(model_or_class, type):
             existing = _USER_CLASS.get(model_or_class, {})
             if name in existing and not overwrite:
-                raise ModelpatchValueError(f"Output recorder {name!r} is already registered for {model_or_class.__name__}; pass overwrite=True")
+                raise ModelpatchValueError(
+                    f"Output recorder {name!r} is already registered for {model_or_class.__name__}; pass overwrite=True"
+                )
             _USER_CLASS[model_or_class] = {**existing, name: recorders}
             return
         taken = [o for o in owners if name in _own(o, _USER_ATTR)]
         if taken and not overwrite:
-            raise ModelpatchValueError(f"Output recorder {name!r} is already registered on this model; pass overwrite=True")
+            raise ModelpatchValueError(
+                f"Output recorder {name!r} is already registered on this model; pass overwrite=True"
+            )
         for owner in owners:
             owner.__dict__[_USER_ATTR] = {**_own(owner, _USER_ATTR), name: recorders}
             if not _captures_outputs(owner):

@@ -45,7 +45,9 @@ def _list_recipes(args: argparse.Namespace) -> int:
     from ..recipes import get_recipe, list_recipes
     from .render import table
 
-    print(table(["recipe", "what it does"], [[name, get_recipe(name).description] for name in list_recipes()], indent=""))
+    print(
+        table(["recipe", "what it does"], [[name, get_recipe(name).description] for name in list_recipes()], indent="")
+    )
     return 0
 
 
@@ -60,7 +62,9 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``modelpatch`` and its subcommands."""
-    parser = argparse.ArgumentParser(prog="modelpatch", description="Check, explain and convert patched Transformers models.")
+    parser = argparse.ArgumentParser(
+        prog="modelpatch", description="Check, explain and convert patched Transformers models."
+    )
     parser.add_argument("--version", action="version", version=f"modelpatch {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     verify.add_parser(subparsers)

@@ -17,8 +17,15 @@ import torch
 
 from .errors import CliError
 
-__all__ = ["checkpoint_dir", "checkpoint_files", "checkpoint_keys", "model_class", "cache_dir", "example_checkpoint",
-           "EXAMPLE_NAME"]
+__all__ = [
+    "checkpoint_dir",
+    "checkpoint_files",
+    "checkpoint_keys",
+    "model_class",
+    "cache_dir",
+    "example_checkpoint",
+    "EXAMPLE_NAME",
+]
 
 EXAMPLE_NAME = "qwen2_moe-tiny-v1"
 
@@ -62,8 +69,10 @@ def _check_index(folder: str, index: str) -> None:
         more = f" (and {len(missing) - 1} other missing shard(s))" if len(missing) > 1 else ""
         raise CliError(f"'{index}' names shard '{missing[0]}', which is not in '{folder}'{more}")
     if not isinstance(data.get("metadata"), dict):
-        raise CliError(f"'{index}' has no \"metadata\" dict, which Transformers needs to load it "
-                       "(add \"metadata\": {} beside \"weight_map\")")
+        raise CliError(
+            f"'{index}' has no \"metadata\" dict, which Transformers needs to load it "
+            '(add "metadata": {} beside "weight_map")'
+        )
 
 
 def _check_header(file: str) -> None:
@@ -73,7 +82,9 @@ def _check_header(file: str) -> None:
         with safe_open(file, framework="pt", device="cpu"):  # parses and checks the header only
             pass
     except (SafetensorError, OSError) as exc:
-        raise CliError(f"'{file}' is not a readable safetensors file (truncated or corrupt?): {_first_line(exc)}") from None
+        raise CliError(
+            f"'{file}' is not a readable safetensors file (truncated or corrupt?): {_first_line(exc)}"
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -151,7 +162,9 @@ def _usable_cache_dir() -> str:
         CliError: it cannot be created, is not a folder or is not writable (one line naming it and the variable).
     """
     path = cache_dir()
-    where = "MODELPATCH_CACHE" if os.environ.get("MODELPATCH_CACHE") else "the default cache folder; MODELPATCH_CACHE unset"
+    where = (
+        "MODELPATCH_CACHE" if os.environ.get("MODELPATCH_CACHE") else "the default cache folder; MODELPATCH_CACHE unset"
+    )
     fix = "set MODELPATCH_CACHE to a writable folder"
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"cache folder '{path}' ({where}) is not usable: it is a file, not a folder; {fix}")
@@ -169,10 +182,22 @@ def example_config():
     from transformers import Qwen2MoeConfig
 
     return Qwen2MoeConfig(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-        vocab_size=128, max_position_embeddings=64, qkv_bias=True, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        qkv_bias=True,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
 
 
@@ -201,8 +226,10 @@ def example_checkpoint(*, rebuild: bool = False) -> str:
     try:
         staging = tempfile.mkdtemp(prefix=f".{EXAMPLE_NAME}-", dir=cache)
     except OSError as exc:
-        raise CliError(f"cannot write in the cache folder '{cache}': {exc.strerror or exc}; set MODELPATCH_CACHE to a "
-                       "writable folder") from None
+        raise CliError(
+            f"cannot write in the cache folder '{cache}': {exc.strerror or exc}; set MODELPATCH_CACHE to a "
+            "writable folder"
+        ) from None
     try:
         contextvars.Context().run(_write_example, staging)  # no scoped patch/rule of the caller applies
         if rebuild and os.path.isdir(target):

@@ -30,8 +30,9 @@ def _model_type(src: str, given: str | None) -> str:
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("convert", help="write a converted checkpoint (or the reverse)",
-                                   description=plain(__doc__.split("\n\n")[0]))
+    parser = subparsers.add_parser(
+        "convert", help="write a converted checkpoint (or the reverse)", description=plain(__doc__.split("\n\n")[0])
+    )
     parser.add_argument("src", metavar="SRC", help="checkpoint folder or .safetensors file")
     parser.add_argument("dst", metavar="DST", help="output folder")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -58,12 +59,23 @@ def main(args: argparse.Namespace) -> int:
     except ConversionError as exc:
         raise CliError(str(exc).splitlines()[0]) from None
     except (OSError, ValueError, SafetensorError) as exc:  # unwritable DST, truncated file, broken index.json
-        raise CliError(f"cannot convert {args.src} -> {args.dst}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        raise CliError(
+            f"cannot convert {args.src} -> {args.dst}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        ) from None
     if args.json:
-        print(json.dumps([{"rule": r.rule, "source_keys": list(r.source_keys), "target_keys": list(r.target_keys)}
-                          for r in rows], indent=2))
+        print(
+            json.dumps(
+                [
+                    {"rule": r.rule, "source_keys": list(r.source_keys), "target_keys": list(r.target_keys)}
+                    for r in rows
+                ],
+                indent=2,
+            )
+        )
     else:
-        print(f"converted {args.src} -> {args.dst} ({model_type}, {'reverse' if args.reverse else 'forward'}): "
-              f"{len(rows)} group(s)")
+        print(
+            f"converted {args.src} -> {args.dst} ({model_type}, {'reverse' if args.reverse else 'forward'}): "
+            f"{len(rows)} group(s)"
+        )
         print(table(["from", "to"], [[", ".join(r.source_keys), ", ".join(r.target_keys)] for r in rows]))
     return 0

@@ -9,11 +9,10 @@ conversion rules in force for the ``model_type`` (the recipe's and the built-in 
 
 from __future__ import annotations
 
-from typing import Any
-
 import argparse
 import json
 import os
+from typing import Any
 
 import torch
 
@@ -60,9 +59,9 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
         CliError: missing folder / unknown model type / unreadable checkpoint files (a truncated safetensors file, an
             index naming a missing shard).
     """
-    from ..patching.conflicts import find_conflicts
     from ..conversion import get_checkpoint_conversion_mapping
     from ..conversion.rules import match_rule
+    from ..patching.conflicts import find_conflicts
     from ..patching.provenance import provenance
 
     config = _config(model_dir, model_type)
@@ -95,28 +94,45 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
 
 
 def _has_weights(model_dir: str) -> bool:
-    return any(os.path.isfile(os.path.join(model_dir, n)) for n in ("model.safetensors", "model.safetensors.index.json"))
+    return any(
+        os.path.isfile(os.path.join(model_dir, n)) for n in ("model.safetensors", "model.safetensors.index.json")
+    )
 
 
 def render(report: dict) -> str:
-    out = [f"modelpatch explain: {report['model_class']} ({report['model_type']}), recipe {report['recipe']}, "
-           f"built on meta ({report['parameters_on_meta']:,} parameters, none read)"]
+    out = [
+        f"modelpatch explain: {report['model_class']} ({report['model_type']}), recipe {report['recipe']}, "
+        f"built on meta ({report['parameters_on_meta']:,} parameters, none read)"
+    ]
     rows = [[key, cls, n] for key, classes in report["replaced"].items() for cls, n in classes.items()]
-    out.append(section("replacements", table(["key", "original -> replacement", "modules"], rows) if rows else
-                       "  nothing would be replaced"))
+    out.append(
+        section(
+            "replacements",
+            table(["key", "original -> replacement", "modules"], rows) if rows else "  nothing would be replaced",
+        )
+    )
     if report["unmatched_keys"]:
         out.append(f"  keys that match nothing: {', '.join(report['unmatched_keys'])}")
     out.append(section("conflicts", "\n".join(f"  {c}" for c in report["conflicts"]) or "  none"))
-    conversion = [[r["rule"], "-" if r["checkpoint_keys"] is None else len(r["checkpoint_keys"])]
-                  for r in report["conversion_rules"]]
-    out.append(section(f"conversion rules for '{report['model_type']}'",
-                       table(["rule", "checkpoint keys"], conversion) if conversion else "  none"))
+    conversion = [
+        [r["rule"], "-" if r["checkpoint_keys"] is None else len(r["checkpoint_keys"])]
+        for r in report["conversion_rules"]
+    ]
+    out.append(
+        section(
+            f"conversion rules for '{report['model_type']}'",
+            table(["rule", "checkpoint keys"], conversion) if conversion else "  none",
+        )
+    )
     return "\n".join(out)
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("explain", help="dry run on the meta device: what a patch would replace",
-                                   description=plain(__doc__.split("\n\n")[0]))
+    parser = subparsers.add_parser(
+        "explain",
+        help="dry run on the meta device: what a patch would replace",
+        description=plain(__doc__.split("\n\n")[0]),
+    )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", metavar="DIR", help="checkpoint folder (only config.json and headers are read)")
     where.add_argument("--model-type", metavar="NAME", help="a model_type with its default config (e.g. llama)")

@@ -40,7 +40,12 @@ class ParamSource:
         return self.status in OK_STATUSES
 
     def as_dict(self) -> dict:
-        return {"parameter": self.name, "status": self.status, "checkpoint_keys": list(self.keys), "detail": self.detail}
+        return {
+            "parameter": self.name,
+            "status": self.status,
+            "checkpoint_keys": list(self.keys),
+            "detail": self.detail,
+        }
 
 
 class _Tensors:
@@ -92,7 +97,7 @@ def parameter_provenance(model, checkpoint_dir: str, saved_dir: str, load_rows) 
     prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
 
     def normalise(key: str) -> str:
-        return key[len(prefix):] if prefix and key.startswith(prefix) else key
+        return key[len(prefix) :] if prefix and key.startswith(prefix) else key
 
     from_rows = {}
     for row in load_rows:

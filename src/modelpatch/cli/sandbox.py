@@ -24,18 +24,23 @@ The registries are process-wide: another thread loading a model while a command 
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
 import sys
 from dataclasses import dataclass, field
 
 from ..conversion import register_checkpoint_conversion_mapping, unregister_checkpoint_conversion_mapping
-from ..conversion.registry import RuleSet, registered_conversion_mappings
+from ..conversion.registry import registered_conversion_mappings
 from ..patching.registry import get_patch_mapping, register_patch_mapping, set_strict_patching, unregister_patch_mapping
 
-__all__ = ["Registrations", "current_registrations", "set_registrations", "registered_between",
-           "TransformersRegistries", "CommandSandbox", "active_sandbox"]
+__all__ = [
+    "Registrations",
+    "current_registrations",
+    "set_registrations",
+    "registered_between",
+    "TransformersRegistries",
+    "CommandSandbox",
+    "active_sandbox",
+]
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,9 @@ def set_registrations(target: Registrations) -> None:
             unregister_checkpoint_conversion_mapping(name)
     for name, ruleset in target.conversion.items():
         if now.conversion.get(name) is not ruleset:
-            register_checkpoint_conversion_mapping(name, list(ruleset.rules), overwrite=ruleset.overwrite,
-                                                   strict=ruleset.strict)
+            register_checkpoint_conversion_mapping(
+                name, list(ruleset.rules), overwrite=ruleset.overwrite, strict=ruleset.strict
+            )
 
 
 @dataclass(frozen=True)
@@ -99,8 +105,11 @@ class TransformersRegistries:
         from transformers import conversion_mapping, monkey_patching
 
         table = conversion_mapping._checkpoint_conversion_mapping_cache
-        return cls(monkey_patching.get_patch_mapping(), None if table is None else dict(table),
-                   frozenset(conversion_mapping.USER_REGISTERED_MAPPINGS))
+        return cls(
+            monkey_patching.get_patch_mapping(),
+            None if table is None else dict(table),
+            frozenset(conversion_mapping.USER_REGISTERED_MAPPINGS),
+        )
 
     def without_user_entries(self) -> TransformersRegistries:
         """This state with no user patch and the built-in conversion rules back under every name a user registered."""
@@ -115,11 +124,17 @@ class TransformersRegistries:
 
     def changes_since(self, before: TransformersRegistries) -> list[str]:
         """What was registered between ``before`` and this state, as the calls that did it (for messages)."""
-        changed = [f"register_patch_mapping({key!r})" for key, value in self.patch_mapping.items()
-                   if before.patch_mapping.get(key) is not value]
+        changed = [
+            f"register_patch_mapping({key!r})"
+            for key, value in self.patch_mapping.items()
+            if before.patch_mapping.get(key) is not value
+        ]
         old_table = before.conversion_table or {}
-        changed += [f"register_checkpoint_conversion_mapping({name!r})" for name in sorted(self.user_names)
-                    if (self.conversion_table or {}).get(name) is not old_table.get(name)]
+        changed += [
+            f"register_checkpoint_conversion_mapping({name!r})"
+            for name in sorted(self.user_names)
+            if (self.conversion_table or {}).get(name) is not old_table.get(name)
+        ]
         return changed
 
     def restore(self) -> None:

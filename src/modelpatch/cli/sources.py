@@ -70,7 +70,8 @@ def _load_module(source: str):
             "to every load, the unpatched reference included: write `from modelpatch import register_patch_mapping, "
             "register_checkpoint_conversion_mapping` instead of the transformers.monkey_patching / "
             "transformers.conversion_mapping imports (the rule classes may stay Transformers' WeightConverter, "
-            "Concatenate, ...)")
+            "Concatenate, ...)"
+        )
     return module, registered_between(before, after)
 
 
@@ -151,8 +152,12 @@ def _registered_recipe(registered: Registrations, label: str) -> Recipe:
     conversion = {
         name: RuleSpec(ruleset.fresh_rules, ruleset.overwrite) for name, ruleset in registered.conversion.items()
     }
-    return Recipe(name=label, description=f"patches registered by {label}", patch_mapping=dict(registered.patch_mapping),
-                  conversion=conversion)
+    return Recipe(
+        name=label,
+        description=f"patches registered by {label}",
+        patch_mapping=dict(registered.patch_mapping),
+        conversion=conversion,
+    )
 
 
 def recipe_from_namespace(namespace: Mapping, label: str, registered: Registrations | None = None) -> Recipe:
@@ -182,8 +187,10 @@ def recipe_from_namespace(namespace: Mapping, label: str, registered: Registrati
     rules = namespace.get("CONVERSION_RULES")
     mapping = {} if mapping is None else mapping
     if not isinstance(mapping, Mapping):
-        raise CliError(f"{label}: PATCH_MAPPING must be a dict {{class name or regex: replacement class}}, got "
-                       f"{type(mapping).__name__}")
+        raise CliError(
+            f"{label}: PATCH_MAPPING must be a dict {{class name or regex: replacement class}}, got "
+            f"{type(mapping).__name__}"
+        )
     rules = {} if rules is None else rules
     if not isinstance(rules, Mapping):
         raise CliError(f"{label}: CONVERSION_RULES must be a dict {{model_type: [rules]}}")
@@ -195,8 +202,10 @@ def recipe_from_namespace(namespace: Mapping, label: str, registered: Registrati
     mapping = dict(mapping)
     for key, cls in registered.patch_mapping.items():
         if key in mapping and mapping[key] is not cls:
-            raise CliError(f"{label}: PATCH_MAPPING[{key!r}] is {getattr(mapping[key], '__name__', mapping[key])} but "
-                           f"the file registers {cls.__name__} for it; keep one")
+            raise CliError(
+                f"{label}: PATCH_MAPPING[{key!r}] is {getattr(mapping[key], '__name__', mapping[key])} but "
+                f"the file registers {cls.__name__} for it; keep one"
+            )
         mapping[key] = cls
     conversion = {
         name: RuleSpec(functools.partial(_fresh_rules, tuple(value)), name in overwrite_names)
@@ -205,14 +214,18 @@ def recipe_from_namespace(namespace: Mapping, label: str, registered: Registrati
     for name, ruleset in registered.conversion.items():
         if name in conversion:
             if not _same_rules(rules[name], ruleset.rules):
-                raise CliError(f"{label}: CONVERSION_RULES[{name!r}] and the rules the file registers for {name!r} "
-                               "differ; keep one")
+                raise CliError(
+                    f"{label}: CONVERSION_RULES[{name!r}] and the rules the file registers for {name!r} "
+                    "differ; keep one"
+                )
             conversion[name] = RuleSpec(conversion[name].factory, conversion[name].overwrite or ruleset.overwrite)
         else:
             conversion[name] = RuleSpec(ruleset.fresh_rules, ruleset.overwrite)
     if not mapping and not conversion:
-        raise CliError(f"{label} defines no PATCH_MAPPING dict (or RECIPE) and registers nothing "
-                       "(register_patch_mapping / register_checkpoint_conversion_mapping)")
+        raise CliError(
+            f"{label} defines no PATCH_MAPPING dict (or RECIPE) and registers nothing "
+            "(register_patch_mapping / register_checkpoint_conversion_mapping)"
+        )
     return Recipe(name=label, description=f"patches from {label}", patch_mapping=mapping, conversion=conversion)
 
 

@@ -18,14 +18,13 @@ failed checks: the reference load would leave parameters random there (:func:`co
 
 from __future__ import annotations
 
-from typing import Any
-
 import argparse
 import json
 import math
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -112,8 +111,15 @@ def _new_loading_issues(patched_info: dict, vanilla_info: dict) -> dict:
     }
 
 
-def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: float | None = None,
-               progress: bool | None = None, source_args: str | None = None) -> VerifyResult:
+def run_verify(
+    model_dir: str,
+    recipe: Recipe,
+    *,
+    dtype: str = "float32",
+    atol: float | None = None,
+    progress: bool | None = None,
+    source_args: str | None = None,
+) -> VerifyResult:
     """Run every check of ``verify`` on ``model_dir`` with ``recipe``; returns the result (never exits).
 
     ``source_args`` is how the recipe was given on the command line (``--recipe NAME``, ``--patches FILE``; default
@@ -132,16 +138,18 @@ def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: 
     config = read_config(model_dir)
     cls: Any = model_class(config)
     result = VerifyResult(model_dir, recipe.name, cls.__name__, dtype, atol=atol)
-    steps = tqdm(total=6, desc="modelpatch verify", unit="step", disable=None if progress is None else not progress,
-                 leave=False)
+    steps = tqdm(
+        total=6, desc="modelpatch verify", unit="step", disable=None if progress is None else not progress, leave=False
+    )
     with steps, tempfile.TemporaryDirectory(prefix="modelpatch-verify-") as saved_dir:
         steps.set_postfix_str("vanilla load")
         try:
             vanilla, vanilla_info, result.load_seconds["vanilla"] = _timed_load(cls, model_dir, torch_dtype, None)
         except Exception as exc:  # noqa: BLE001
             raise CliError(f"loading '{model_dir}' without patches failed: {type(exc).__name__}: {exc}") from None
-        problem = converted_layout_error(model_dir, recipe, config, vanilla_info,
-                                         source_args or f"--recipe {recipe.name}")
+        problem = converted_layout_error(
+            model_dir, recipe, config, vanilla_info, source_args or f"--recipe {recipe.name}"
+        )
         if problem is not None:
             raise CliError(problem)
         steps.update()
@@ -170,14 +178,22 @@ def run_verify(model_dir: str, recipe: Recipe, *, dtype: str = "float32", atol: 
         result.load_seconds["save_patched"] = time.perf_counter() - start
         rows = conversion_report(patched)
         result.conversion = [
-            {"direction": r.direction, "rule": r.rule, "registered_as": r.registered_as,
-             "source_keys": list(r.source_keys), "target_keys": list(r.target_keys)} for r in rows
+            {
+                "direction": r.direction,
+                "rule": r.rule,
+                "registered_as": r.registered_as,
+                "source_keys": list(r.source_keys),
+                "target_keys": list(r.target_keys),
+            }
+            for r in rows
         ]
         steps.update()
 
         result.unfired_rules = _unfired_rules(recipe, patched, rows)
         steps.set_postfix_str("provenance")
-        result.provenance = parameter_provenance(patched, model_dir, saved_dir, [r for r in rows if r.direction == "load"])
+        result.provenance = parameter_provenance(
+            patched, model_dir, saved_dir, [r for r in rows if r.direction == "load"]
+        )
         steps.update()
 
         steps.set_postfix_str("round trip")
@@ -209,8 +225,13 @@ def _unfired_rules(recipe: Recipe, model, rows) -> list[str]:
         if isinstance(module, PreTrainedModel):
             names |= {type(module).__name__, getattr(module.config, "model_type", None)}
     fired = {r.rule for r in rows if r.direction == "load"}
-    return [_rule_text(rule) for name, rules in recipe.build_conversion_rules().items() if name in names
-            for rule in rules if _rule_text(rule) not in fired]
+    return [
+        _rule_text(rule)
+        for name, rules in recipe.build_conversion_rules().items()
+        if name in names
+        for rule in rules
+        if _rule_text(rule) not in fired
+    ]
 
 
 def _config_names(config) -> set[str]:
@@ -249,11 +270,13 @@ def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info:
             if converted is None:
                 continue
             sources = ", ".join(rule._original_source_patterns)
-            return (f"'{model_dir}' is already in the converted layout of {recipe.name} (it has '{converted}' and no "
-                    f"key matching {sources}), so the unpatched reference load would leave {len(missing)} parameter(s) "
-                    f"random (e.g. '{missing[0]}') and nothing can be compared; verify the original checkpoint instead, "
-                    f"or write it back first with `modelpatch convert {model_dir} OUT {source_args} --reverse` and "
-                    f"verify OUT")
+            return (
+                f"'{model_dir}' is already in the converted layout of {recipe.name} (it has '{converted}' and no "
+                f"key matching {sources}), so the unpatched reference load would leave {len(missing)} parameter(s) "
+                f"random (e.g. '{missing[0]}') and nothing can be compared; verify the original checkpoint instead, "
+                f"or write it back first with `modelpatch convert {model_dir} OUT {source_args} --reverse` and "
+                f"verify OUT"
+            )
     return None
 
 
@@ -271,33 +294,63 @@ def _checks(result: VerifyResult, report) -> list[Check]:
     bad = [p for p in result.provenance if not p.ok]
     return [
         Check("patches", patch_ok, patch_detail),
-        Check("loading", not issues, "no new missing/unexpected/mismatched keys" if not issues else
-              "; ".join(f"{k}: {v[:3]}{' ...' if len(v) > 3 else ''}" for k, v in issues.items())),
-        Check("provenance", not bad, f"all {len(result.provenance)} parameters from the checkpoint" if not bad else
-              f"{len(result.provenance) - len(bad)} of {len(result.provenance)} parameters from the checkpoint; first "
-              f"not: {bad[0].name} ({bad[0].status}: {bad[0].detail})"),
-        Check("outputs", result.max_abs_diff <= result.atol,
-              f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})"),
-        Check("round trip", result.round_trip is None, "bit-exact" if result.round_trip is None else
-              f"first difference: {result.round_trip}"),
+        Check(
+            "loading",
+            not issues,
+            "no new missing/unexpected/mismatched keys"
+            if not issues
+            else "; ".join(f"{k}: {v[:3]}{' ...' if len(v) > 3 else ''}" for k, v in issues.items()),
+        ),
+        Check(
+            "provenance",
+            not bad,
+            f"all {len(result.provenance)} parameters from the checkpoint"
+            if not bad
+            else f"{len(result.provenance) - len(bad)} of {len(result.provenance)} parameters from the checkpoint; first "
+            f"not: {bad[0].name} ({bad[0].status}: {bad[0].detail})",
+        ),
+        Check(
+            "outputs",
+            result.max_abs_diff <= result.atol,
+            f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})",
+        ),
+        Check(
+            "round trip",
+            result.round_trip is None,
+            "bit-exact" if result.round_trip is None else f"first difference: {result.round_trip}",
+        ),
     ]
 
 
 def render(result: VerifyResult) -> str:
     """The human-readable report."""
     patch = result.patch
-    out = [f"modelpatch verify: {result.model_dir}",
-           f"  recipe {result.recipe}  |  {result.model_class}  |  {result.dtype}  |  input: {result.input}"]
-    out.append(section("patch report", table(["module", "original", "replacement"],
-                                             [[r["path"], r["original"].rsplit(".", 1)[-1], r["replacement"]]
-                                              for r in patch.get("replaced", [])])))
+    out = [
+        f"modelpatch verify: {result.model_dir}",
+        f"  recipe {result.recipe}  |  {result.model_class}  |  {result.dtype}  |  input: {result.input}",
+    ]
+    out.append(
+        section(
+            "patch report",
+            table(
+                ["module", "original", "replacement"],
+                [[r["path"], r["original"].rsplit(".", 1)[-1], r["replacement"]] for r in patch.get("replaced", [])],
+            ),
+        )
+    )
     if patch.get("unmatched_keys"):
         out.append(f"  keys that replaced nothing: {', '.join(patch['unmatched_keys'])}")
     out += [f"  conflict: {c}" for c in patch.get("conflicts", [])]
-    conversion = [[r["direction"], r["registered_as"] or "", _short(r["source_keys"]), _short(r["target_keys"])]
-                  for r in result.conversion]
-    out.append(section("conversion report (rules -> keys)",
-                       table(["dir", "rules of", "from", "to"], conversion) if conversion else "  no conversion rule fired"))
+    conversion = [
+        [r["direction"], r["registered_as"] or "", _short(r["source_keys"]), _short(r["target_keys"])]
+        for r in result.conversion
+    ]
+    out.append(
+        section(
+            "conversion report (rules -> keys)",
+            table(["dir", "rules of", "from", "to"], conversion) if conversion else "  no conversion rule fired",
+        )
+    )
     rules = sorted({r["rule"] for r in result.conversion})
     out += [f"  rule: {rule}" for rule in rules]
     out += [f"  rule that matched no checkpoint key: {rule}" for rule in result.unfired_rules]
@@ -311,8 +364,12 @@ def render(result: VerifyResult) -> str:
     out.append(section("parameter provenance", body))
     times = result.load_seconds
     out.append(section("load times", table(["load", "seconds"], [[k, f"{v:.3f}"] for k, v in times.items()])))
-    out.append(section("checks", table(["check", "result", "detail"],
-                                       [[c.name, "ok" if c.ok else "FAIL", c.detail] for c in result.checks])))
+    out.append(
+        section(
+            "checks",
+            table(["check", "result", "detail"], [[c.name, "ok" if c.ok else "FAIL", c.detail] for c in result.checks]),
+        )
+    )
     out.append(f"\n{'PASS' if result.ok else 'FAIL'}")
     return "\n".join(out)
 
@@ -333,8 +390,10 @@ def _tolerance(text: str) -> float:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "verify", help="load a checkpoint vanilla and patched; compare weights, outputs and the save round trip",
-        description=plain(__doc__.split("\n\n")[0]))
+        "verify",
+        help="load a checkpoint vanilla and patched; compare weights, outputs and the save round trip",
+        description=plain(__doc__.split("\n\n")[0]),
+    )
     parser.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the built-in tiny Qwen2-MoE)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--recipe", metavar="NAME", help="a recipe of modelpatch.recipes ('a+b' combines)")
@@ -355,7 +414,13 @@ def main(args: argparse.Namespace) -> int:
         recipe = resolve_patches(args.recipe, args.patches)
         model_dir = args.model if args.model is not None else example_checkpoint()
     source_args = f"--patches {args.patches}" if args.patches is not None else f"--recipe {recipe.name}"
-    result = run_verify(model_dir, recipe, dtype=args.dtype, atol=args.atol,
-                        progress=False if args.no_progress else None, source_args=source_args)
+    result = run_verify(
+        model_dir,
+        recipe,
+        dtype=args.dtype,
+        atol=args.atol,
+        progress=False if args.no_progress else None,
+        source_args=source_args,
+    )
     print(json.dumps(result.as_dict(), indent=2) if args.json else render(result))
     return 0 if result.ok else EXIT_FAILED_CHECK

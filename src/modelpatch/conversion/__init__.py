@@ -22,14 +22,14 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``hooks``     the only wrappers of Transformers functions (installed by :mod:`modelpatch.integrations`)
 """
 
-from .plan import ConversionRow
 from .errors import ConversionError, ConversionShapeError
 from .manual import load_converted_state_dict
 from .offline import convert_checkpoint
 from .ops import Chunk, Concatenate, MergeModulelist, SplitModulelist, Transpose
+from .plan import ConversionRow
 from .registry import (
-    clear_checkpoint_conversion_mappings,
     apply_conversion_rules,
+    clear_checkpoint_conversion_mappings,
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,

@@ -10,8 +10,15 @@ from transformers import PreTrainedModel
 from . import registry
 from .overlap import drop_replaced_builtins, has_target_layout, overlaps
 
-__all__ = ["ResolvedRules", "resolve_model_rules", "compose_builtins", "drop_replaced_builtins", "rules_fitting_model",
-           "has_target_layout", "overlaps"]
+__all__ = [
+    "ResolvedRules",
+    "resolve_model_rules",
+    "compose_builtins",
+    "drop_replaced_builtins",
+    "rules_fitting_model",
+    "has_target_layout",
+    "overlaps",
+]
 
 
 @dataclass

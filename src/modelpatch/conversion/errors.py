@@ -1,8 +1,8 @@
 """Exceptions raised by the checkpoint conversion layer."""
 
 from __future__ import annotations
-from ..errors import ModelpatchError
 
+from ..errors import ModelpatchError
 
 
 class ConversionError(ModelpatchError, ValueError):

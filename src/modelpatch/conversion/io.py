@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import ExitStack, contextmanager
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 from safetensors import safe_open
 

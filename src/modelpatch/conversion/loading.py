@@ -11,8 +11,8 @@ from transformers import core_model_loading as _tcml
 from transformers.utils import logging
 
 from .compose import ResolvedRules, compose_builtins, has_target_layout, rules_fitting_model
-from .plan import Plan, build_plan, shape_of
 from .errors import ConversionError, ConversionShapeError
+from .plan import Plan, build_plan, shape_of
 from .reference import state_shapes
 from .state import ConversionState, set_state
 
@@ -26,8 +26,8 @@ def model_key(name: str, model_keys, base_model_prefix: str) -> str | None:
     if name in model_keys:
         return name
     prefix = f"{base_model_prefix}." if base_model_prefix else None
-    if prefix and name.startswith(prefix) and name[len(prefix):] in model_keys:
-        return name[len(prefix):]
+    if prefix and name.startswith(prefix) and name[len(prefix) :] in model_keys:
+        return name[len(prefix) :]
     if prefix and prefix + name in model_keys:
         return prefix + name
     return None

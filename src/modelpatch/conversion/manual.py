@@ -9,10 +9,10 @@ from transformers import core_model_loading as _tcml
 
 from ..errors import ModelpatchTypeError
 from .compose import ResolvedRules, compose_builtins, has_target_layout, overlaps, resolve_model_rules
-from .plan import ConversionRow, LazyConverted, load_tensor, shape_of
 from .errors import ConversionError, ConversionShapeError
 from .io import open_checkpoint
 from .loading import model_key, prepare, transformers_renamings
+from .plan import ConversionRow, LazyConverted, load_tensor, shape_of
 from .rules import as_modelpatch_rule
 from .state import get_state, set_state
 

@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
-from .plan import ConversionRow, build_plan, load_tensor
 from .errors import ConversionError
 from .io import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, checkpoint_files
+from .plan import ConversionRow, build_plan, load_tensor
 from .reference import ReferenceShapes, state_shapes
 from .registry import get_checkpoint_conversion_mapping
 from .rules import as_modelpatch_rule
@@ -115,8 +115,10 @@ def convert_checkpoint(
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ConversionError("convert_checkpoint: dst must differ from src")
     if os.path.isdir(dst) and os.listdir(dst):
-        raise ConversionError(f"convert_checkpoint: destination '{dst}' exists and is not empty (stale shards of an "
-                              "earlier run would mix with the new ones); remove it or choose another")
+        raise ConversionError(
+            f"convert_checkpoint: destination '{dst}' exists and is not empty (stale shards of an "
+            "earlier run would mix with the new ones); remove it or choose another"
+        )
     rules = _rules_for(model_type_or_class_name, rules, reverse)
     files = checkpoint_files(src)
     src_dir = src if os.path.isdir(src) else os.path.dirname(src)
@@ -154,8 +156,9 @@ def convert_checkpoint(
                 for name, tensor in sub.convert_all(references).items():
                     tensors[name] = tensor
                     produced[name] = dry[name]
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, out_name),
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, out_name), metadata={"format": "pt"}
+            )
             weight_map.update(dict.fromkeys(tensors, out_name))
             total_size += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors

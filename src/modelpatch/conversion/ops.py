@@ -21,7 +21,15 @@ from transformers import core_model_loading as _tcml
 from ..errors import ModelpatchTypeError
 from .errors import ConversionError
 
-__all__ = ["Chunk", "Concatenate", "MergeModulelist", "SplitModulelist", "Transpose", "as_modelpatch_op", "check_operation"]
+__all__ = [
+    "Chunk",
+    "Concatenate",
+    "MergeModulelist",
+    "SplitModulelist",
+    "Transpose",
+    "as_modelpatch_op",
+    "check_operation",
+]
 
 
 def _single_tensor(input_dict: dict, op: str) -> torch.Tensor:
@@ -71,7 +79,9 @@ class Chunk(_tcml.ConversionOps):
         if any("*" in t for t in target_patterns):
             # Intermediate stacked tensors (e.g. gate/up halves of a fused experts tensor): equal halves by definition.
             if total % len(target_patterns):
-                raise ConversionError(f"{self!r}: cannot split {total} evenly into {target_patterns} ({full_layer_name})")
+                raise ConversionError(
+                    f"{self!r}: cannot split {total} evenly into {target_patterns} ({full_layer_name})"
+                )
             return [total // len(target_patterns)] * len(target_patterns)
         sizes = []
         prefix, first, suffix = (full_layer_name or "").rpartition(target_patterns[0])
@@ -99,7 +109,7 @@ class Chunk(_tcml.ConversionOps):
         return {target: piece.contiguous() for target, piece in zip(target_patterns, pieces)}
 
     @property
-    def reverse_op(self) -> "Concatenate":
+    def reverse_op(self) -> Concatenate:
         return Concatenate(self.dim)
 
 
@@ -133,7 +143,7 @@ class MergeModulelist(_tcml.MergeModulelist):
         return f"MergeModulelist(dim={self.dim})"
 
     @property
-    def reverse_op(self) -> "SplitModulelist":
+    def reverse_op(self) -> SplitModulelist:
         return SplitModulelist(self.dim)
 
 
@@ -172,7 +182,7 @@ class Transpose(_tcml.Transpose):
         return f"Transpose(dim0={self.dim0}, dim1={self.dim1})"
 
     @property
-    def reverse_op(self) -> "Transpose":
+    def reverse_op(self) -> Transpose:
         return Transpose(self.dim1, self.dim0)
 
 

@@ -17,7 +17,7 @@ __all__ = ["drop_replaced_builtins", "has_target_layout", "overlaps"]
 def has_target_layout(rule, names) -> bool:
     """Whether any of ``names`` (state-dict or checkpoint keys) is named like a target pattern of ``rule``: the keys
     are already in the layout the rule converts to."""
-    targets = _texts(rule)[len(rule._original_source_patterns):]
+    targets = _texts(rule)[len(rule._original_source_patterns) :]
     return any(_search(target, name) for target in targets for name in names)
 
 

@@ -28,9 +28,18 @@ from .rules import match_rule
 __all__ = ["ConversionRow", "Plan", "build_plan", "LazyConverted", "shape_of", "load_tensor"]
 
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -117,7 +126,7 @@ def _run_group(group: _Group, collected: dict, reference_shapes, with_names: boo
     rule = group.rule
     if not isinstance(rule, _tcml.WeightConverter):
         (tensors,) = collected.values()
-        key = group.key if with_names else group.key[len(group.prefix): len(group.key) - len(group.suffix)]
+        key = group.key if with_names else group.key[len(group.prefix) : len(group.key) - len(group.suffix)]
         return {key: tensors[0]}
     tensors = collected
     for op in rule.operations:
@@ -134,7 +143,9 @@ def _run_group(group: _Group, collected: dict, reference_shapes, with_names: boo
         except ConversionError:
             raise
         except Exception as exc:
-            raise ConversionError(f"{op!r} of {rule!r} failed on '{group.key}' (from {group.source_keys()}): {exc}") from exc
+            raise ConversionError(
+                f"{op!r} of {rule!r} failed on '{group.key}' (from {group.source_keys()}): {exc}"
+            ) from exc
     prefix, suffix = (group.prefix, group.suffix) if with_names else ("", "")
     return {prefix + k + suffix: (v[0] if isinstance(v, list) else v) for k, v in tensors.items()}
 
@@ -278,7 +289,9 @@ class Plan:
         return rows
 
 
-def build_plan(items, rules: list, reverse: bool = False, key_renamings=(), keep_unconverted_keys: bool = False) -> Plan:
+def build_plan(
+    items, rules: list, reverse: bool = False, key_renamings=(), keep_unconverted_keys: bool = False
+) -> Plan:
     """Group ``(key, tensor_like)`` pairs by rule.
 
     Load order (``reverse=False``): every matching renaming in turn, then the first matching converter. Save order
@@ -314,7 +327,9 @@ def build_plan(items, rules: list, reverse: bool = False, key_renamings=(), keep
             match = match_rule(rule, new_key)
             if match is not None:
                 fired.add(id(rule))
-                group = groups.setdefault(match.renamed_key, _Group(match.renamed_key, rule, match.prefix, match.suffix))
+                group = groups.setdefault(
+                    match.renamed_key, _Group(match.renamed_key, rule, match.prefix, match.suffix)
+                )
                 group.sources[match.source_pattern].append((key, obj))
                 break
         else:

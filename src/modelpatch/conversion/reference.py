@@ -17,7 +17,7 @@ def state_shapes(named_tensors, base_model_prefix: str = "") -> dict[str, tuple[
     for key, shape in named_tensors:
         shapes[key] = tuple(shape)
         if prefix and key.startswith(prefix):
-            shapes.setdefault(key[len(prefix):], tuple(shape))
+            shapes.setdefault(key[len(prefix) :], tuple(shape))
     return shapes
 
 
@@ -31,8 +31,11 @@ def vanilla_state_shapes(model) -> dict[str, tuple[int, ...]]:
         try:
             with torch.device("meta"):
                 reference = type(model)(copy.deepcopy(model.config))
-            result.update(state_shapes(((k, v.shape) for k, v in reference.state_dict().items()),
-                                       getattr(model, "base_model_prefix", "")))
+            result.update(
+                state_shapes(
+                    ((k, v.shape) for k, v in reference.state_dict().items()), getattr(model, "base_model_prefix", "")
+                )
+            )
         except Exception:  # noqa: BLE001 - a missing reference only means explicit sizes are required
             pass
 

@@ -62,7 +62,9 @@ def _make_ruleset(name, mapping, overwrite, strict) -> RuleSet:
     if not isinstance(name, str) or not name:
         raise ModelpatchTypeError(f"model_type_or_class_name must be a non-empty str, got {name!r}")
     if isinstance(mapping, (str, bytes)) or not isinstance(mapping, Sequence):
-        raise ModelpatchTypeError(f"mapping for '{name}' must be a list of WeightConverter/WeightRenaming, got {mapping!r}")
+        raise ModelpatchTypeError(
+            f"mapping for '{name}' must be a list of WeightConverter/WeightRenaming, got {mapping!r}"
+        )
     return RuleSet(name, tuple(as_modelpatch_rule(rule) for rule in mapping), bool(overwrite), bool(strict))
 
 
@@ -254,5 +256,7 @@ def scoped_rulesets(
         overwritten = set(overwrite)
         unknown = sorted(overwritten - set(mapping))
         if unknown:
-            raise ModelpatchValueError(f"overwrite names {unknown}, which have no rules in conversion_rules ({sorted(mapping)})")
+            raise ModelpatchValueError(
+                f"overwrite names {unknown}, which have no rules in conversion_rules ({sorted(mapping)})"
+            )
     return {name: _make_ruleset(name, rules, name in overwritten, strict) for name, rules in mapping.items()}

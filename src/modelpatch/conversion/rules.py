@@ -14,11 +14,10 @@ patched model. ``*`` stands for a module index (``mlp.experts.*.gate_proj.weight
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import core_model_loading as _tcml
 
@@ -91,7 +90,9 @@ class WeightConverter(_BoundaryMatching, _tcml.WeightConverter):
         if isinstance(operations, type):
             check_operation(operations)  # names the class and the instance to write instead
         if isinstance(operations, _tcml.ConversionOps):
-            raise ModelpatchTypeError(f"operations must be a list, got one operation: write operations=[{operations!r}]")
+            raise ModelpatchTypeError(
+                f"operations must be a list, got one operation: write operations=[{operations!r}]"
+            )
         if isinstance(operations, (str, bytes)) or not isinstance(operations, Iterable):
             raise ModelpatchTypeError(f"operations must be a list of operation instances, got {operations!r}")
         operations = [as_modelpatch_op(op) for op in operations]
@@ -130,7 +131,7 @@ def match_rule(rule: _tcml.WeightTransform, key: str) -> RuleMatch | None:
     if r"\1" in replacement:
         replacement = replacement.replace(r"\1", m.group(rule.compiled_sources.groupindex[group] + 1))
     prefix = (prefix_dot or "") + key_to_match[: m.start()]
-    suffix = key_to_match[m.end():]
+    suffix = key_to_match[m.end() :]
     return RuleMatch(prefix, suffix, rule.source_patterns[int(group[1:])], prefix + replacement + suffix)
 
 
@@ -148,7 +149,9 @@ def as_modelpatch_rule(rule) -> WeightRenaming | WeightConverter:
         rebuilt = WeightRenaming(list(rule._original_source_patterns), list(rule._original_target_patterns))
     elif type(rule) is _tcml.WeightConverter:
         rebuilt = WeightConverter(
-            list(rule._original_source_patterns), list(rule._original_target_patterns), list(rule.operations),
+            list(rule._original_source_patterns),
+            list(rule._original_target_patterns),
+            list(rule.operations),
             force_cpu=getattr(rule, "force_cpu", False),
         )
     else:

@@ -114,7 +114,9 @@ def install() -> None:
             original = vars(PreTrainedModel)[name].__func__
             _installed.setattr(PreTrainedModel, name, _build_wrapper(name, original), raw=True)
         _installed.setattr(PreTrainedModel, "__init__", _init_wrapper(vars(PreTrainedModel)["__init__"]), raw=True)
-        _installed.setattr(PreTrainedModel, "post_init", _post_init_wrapper(vars(PreTrainedModel)["post_init"]), raw=True)
+        _installed.setattr(
+            PreTrainedModel, "post_init", _post_init_wrapper(vars(PreTrainedModel)["post_init"]), raw=True
+        )
 
 
 def uninstall() -> None:

@@ -54,7 +54,7 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def classes_built_by(container: type) -> frozenset[type]:
     """Classes that ``container.__init__`` may construct directly (by global name or module table)."""
     init = vars(container).get("__init__")
@@ -62,11 +62,13 @@ def classes_built_by(container: type) -> frozenset[type]:
     module = sys.modules.get(container.__module__)
     if code is None or module is None:
         return frozenset()
-    found = set()
+    found: set[type] = set()
     namespace = vars(module)
     for name in _code_names(code):
         value = namespace.get(name)
-        values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else [value]
+        values = (
+            value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else [value]
+        )
         found.update(v for v in values if isinstance(v, type) and v is not container)
     return frozenset(found)
 

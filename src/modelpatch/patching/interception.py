@@ -76,7 +76,7 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                 return
         original_init(self, *args, **kwargs)
 
-    __init__._modelpatch_hook = True
+    __init__._modelpatch_hook = True  # type: ignore[attr-defined]
     return __init__
 
 
@@ -84,7 +84,7 @@ def _unhooked_init(cls: type):
     """``cls.__init__`` as defined, skipping a modelpatch hook on ``cls`` itself (a replacement that is
     also a target in some scope is built as itself, so swaps such as A -> B, B -> A work)."""
     entry = _hooks.get(cls)
-    return entry[2] if entry is not None else cls.__init__
+    return entry[2] if entry is not None else cls.__init__  # type: ignore[misc]  # the class's own, unbound
 
 
 def install_hook(target: type, lookup: Lookup) -> None:
@@ -94,7 +94,7 @@ def install_hook(target: type, lookup: Lookup) -> None:
         if entry is not None:
             entry[0] += 1
             return
-        original_init = target.__init__
+        original_init = target.__init__  # type: ignore[misc]  # the class's own, unbound
         undo = UndoStack()
         undo.setattr(target, "__init__", _make_hook(target, lookup, original_init), raw=True)
         _hooks[target] = [1, undo, original_init]

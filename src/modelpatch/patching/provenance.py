@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["replacement_of", "Replacement", "BuildRecord", "provenance", "set_provenance", "build_record", "set_build_record"]
+__all__ = [
+    "replacement_of",
+    "Replacement",
+    "BuildRecord",
+    "provenance",
+    "set_provenance",
+    "build_record",
+    "set_build_record",
+]
 
 _PROVENANCE_ATTR = "_modelpatch_replaced"
 _BUILD_ATTR = "_modelpatch_build"

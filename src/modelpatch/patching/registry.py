@@ -20,8 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch.nn as nn
-from ..errors import ModelpatchTypeError, ModelpatchValueError
 
+from ..errors import ModelpatchTypeError, ModelpatchValueError
 
 __all__ = [
     "PatchRule",
@@ -66,7 +66,9 @@ class PatchRule:
 def _make_rule(key: object, replacement: object) -> PatchRule:
     """Validate one ``key -> replacement`` pair; raises ``TypeError``/``ValueError`` naming the key."""
     if not isinstance(key, str):
-        raise ModelpatchTypeError(f"Patch mapping key {key!r} must be a str (a class name or a regex), got {type(key).__name__}")
+        raise ModelpatchTypeError(
+            f"Patch mapping key {key!r} must be a str (a class name or a regex), got {type(key).__name__}"
+        )
     if not isinstance(replacement, type):
         raise ModelpatchTypeError(
             f"Replacement for {key!r} must be a class, got {type(replacement).__name__} ({replacement!r})"
@@ -120,7 +122,7 @@ class PatchMapping:
         if rule is not None:
             return rule
         for rule in self._patterns:
-            if rule.pattern.search(class_name) is not None:
+            if rule.pattern is not None and rule.pattern.search(class_name) is not None:
                 return rule
         return None
 
@@ -143,7 +145,9 @@ def build_patch_mapping(mapping: Mapping[str, type] | PatchMapping) -> PatchMapp
     if isinstance(mapping, PatchMapping):
         return mapping
     if not isinstance(mapping, Mapping):
-        raise ModelpatchTypeError(f"A patch mapping must be a dict of key -> replacement class, got {type(mapping).__name__}")
+        raise ModelpatchTypeError(
+            f"A patch mapping must be a dict of key -> replacement class, got {type(mapping).__name__}"
+        )
     return PatchMapping(tuple(_make_rule(k, v) for k, v in mapping.items()))
 
 

@@ -41,7 +41,12 @@ class PatchReport:
         """JSON-ready form."""
         return {
             "replaced": [
-                {"path": r.path, "original": _qualname(r.original), "replacement": _qualname(r.replacement), "key": r.key}
+                {
+                    "path": r.path,
+                    "original": _qualname(r.original),
+                    "replacement": _qualname(r.replacement),
+                    "key": r.key,
+                }
                 for r in self.rows
             ],
             "unmatched_keys": list(self.unmatched_keys),

@@ -39,13 +39,13 @@ class UnmatchedPatchKeyError(ModelpatchError, ValueError):
 
 _STATS_LOCK = threading.Lock()
 
-_ACTIVE: ContextVar[tuple["PatchScope", ...]] = ContextVar("modelpatch_active_scopes", default=())
+_ACTIVE: ContextVar[tuple[PatchScope, ...]] = ContextVar("modelpatch_active_scopes", default=())
 
 _LIVE_LOCK = threading.RLock()
-_LIVE: set["PatchScope"] = set()  # entered and not yet exited, in any context
+_LIVE: set[PatchScope] = set()  # entered and not yet exited, in any context
 
 
-def active_scopes() -> tuple["PatchScope", ...]:
+def active_scopes() -> tuple[PatchScope, ...]:
     """The scopes in force for the calling thread/task, outermost first."""
     return tuple(s for s in _ACTIVE.get() if not s.closed)
 
@@ -124,7 +124,7 @@ class PatchScope:
         self.candidates: dict[type, tuple[str, ...]] = {}  # class -> every key that matches it
         self.constructed: set[type] = set()  # matched classes whose construction was seen
         self.matched: set[str] = set()  # keys that matched a constructed class
-        self.models: "weakref.WeakSet" = weakref.WeakSet()  # PreTrainedModels built inside
+        self.models: weakref.WeakSet = weakref.WeakSet()  # PreTrainedModels built inside
         self.models_built = 0
         self.closed = False
         self._classified: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -207,7 +207,7 @@ class PatchScope:
         return find_conflicts(self.resolved, list(self.replaced_originals), built=self.constructed)
 
     # -- context manager --------------------------------------------------------------------------
-    def __enter__(self) -> "PatchScope":
+    def __enter__(self) -> PatchScope:
         if self._entered:
             raise ModelpatchRuntimeError("A PatchScope can be entered only once; call apply_patches() again")
         self._entered = True
@@ -233,7 +233,7 @@ class PatchScope:
         _ACTIVE.set(_ACTIVE.get() + (self,))
         return self
 
-    def start(self) -> "PatchScope":
+    def start(self) -> PatchScope:
         """Enter the scope without a ``with`` block (like ``unittest.mock.patch(...).start()``); pair with
         :meth:`stop`. The scope is in force in the calling thread / asyncio task until then."""
         return self.__enter__()
@@ -264,7 +264,10 @@ class PatchScope:
 
         def fresh() -> PatchScope:
             return PatchScope(
-                self.mapping, explicit=self.explicit, strict=self.strict, label=self.label,
+                self.mapping,
+                explicit=self.explicit,
+                strict=self.strict,
+                label=self.label,
                 companions=self.companions,
             )
 
@@ -325,7 +328,9 @@ class PatchScope:
                 record.not_applicable = tuple(k for k in record.keys if k in not_applicable)
                 record.conflicts = tuple(conflicts)
         for key in self.outranked_keys:
-            logger.info(f"modelpatch: key {key!r} matched classes during {self.label} but other keys or an enclosing block replaced them")
+            logger.info(
+                f"modelpatch: key {key!r} matched classes during {self.label} but other keys or an enclosing block replaced them"
+            )
         if not built_something:
             self._report_late_imports(unbuilt)
             return  # nothing was built: nothing to judge
@@ -380,8 +385,15 @@ class PatchScope:
         if not unmatched:
             return
         refresh_catalog(())  # imports only: the entry looked for modules that ran again
-        late = sorted({key for cls, (_, keys) in _resolve_catalog(self.mapping).items() if cls not in self.resolved
-                       for key in keys if key in unmatched})
+        late = sorted(
+            {
+                key
+                for cls, (_, keys) in _resolve_catalog(self.mapping).items()
+                if cls not in self.resolved
+                for key in keys
+                if key in unmatched
+            }
+        )
         if not late:
             return
         message = (

@@ -83,7 +83,9 @@ def get_recipe(name: str) -> Recipe:
     parts = [p.strip() for p in name.split("+")]
     missing = [p for p in parts if p not in _RECIPES]
     if missing or not parts:
-        raise UnknownRecipeError(f"unknown recipe {missing[0] if missing else name!r}; known: {', '.join(list_recipes())}")
+        raise UnknownRecipeError(
+            f"unknown recipe {missing[0] if missing else name!r}; known: {', '.join(list_recipes())}"
+        )
     recipe = _RECIPES[parts[0]]
     for part in parts[1:]:
         recipe = recipe + _RECIPES[part]

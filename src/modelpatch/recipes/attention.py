@@ -145,19 +145,35 @@ class FusedQKVAttention(nn.Module):
         query, key = module.apply_rotary_pos_emb(query, key, cos, sin)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, module.eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, module.eager_attention_forward
+        )
         output, weights = attention(
-            self, query, key, value, attention_mask,
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, **self._window_kwargs(), **kwargs,
+            scaling=self.scaling,
+            **self._window_kwargs(),
+            **kwargs,
         )
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
 def _make_class(family: AttentionFamily) -> type[FusedQKVAttention]:
     name = f"FusedQKV{family.original}"
-    cls = type(name, (FusedQKVAttention,), {"family": family, "__module__": __name__, "__qualname__": name,
-                                            "__doc__": f"Fused QKV replacement of ``{family.original}``."})
+    cls = type(
+        name,
+        (FusedQKVAttention,),
+        {
+            "family": family,
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"Fused QKV replacement of ``{family.original}``.",
+        },
+    )
     globals()[name] = cls  # importable / picklable as modelpatch.recipes.attention.<name>
     return cls
 
@@ -168,8 +184,11 @@ FUSED_QKV_CLASSES: dict[str, type[FusedQKVAttention]] = {f.model_type: _make_cla
 
 def fused_qkv_rules() -> list:
     """``self_attn.{q,k,v}_proj.{weight,bias}`` → ``self_attn.qkv_proj.*`` by ``Concatenate(dim=0)``."""
-    return [WeightConverter(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.qkv_proj"],
-                            [Concatenate(dim=0)])]
+    return [
+        WeightConverter(
+            ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.qkv_proj"], [Concatenate(dim=0)]
+        )
+    ]
 
 
 def fused_qkv_recipe(family: AttentionFamily) -> Recipe:
@@ -180,4 +199,3 @@ def fused_qkv_recipe(family: AttentionFamily) -> Recipe:
         conversion={family.model_type: RuleSpec(fused_qkv_rules)},
         model_types=(family.model_type,),
     )
-

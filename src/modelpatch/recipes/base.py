@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from ..errors import ModelpatchValueError
 
+from ..errors import ModelpatchValueError
 
 __all__ = ["Recipe", "RuleSpec"]
 
@@ -59,7 +59,7 @@ class Recipe:
         return {name: spec.rules() for name, spec in self.conversion.items()}
 
     @contextmanager
-    def apply(self, *, strict: bool = False) -> Iterator["object"]:
+    def apply(self, *, strict: bool = False) -> Iterator[object]:
         """Context manager: models built or loaded inside the block get the replacements and conversion rules.
 
         Yields the :class:`~modelpatch.PatchScope` (``scope.fired``, ``scope.unmatched_keys``). Only the calling
@@ -74,7 +74,10 @@ class Recipe:
 
         overwritten = [name for name, spec in self.conversion.items() if spec.overwrite]
         with apply_patches(
-            dict(self.patch_mapping), strict=strict, conversion_rules=self.build_conversion_rules(), overwrite=overwritten
+            dict(self.patch_mapping),
+            strict=strict,
+            conversion_rules=self.build_conversion_rules(),
+            overwrite=overwritten,
         ) as scope:
             yield scope
 
@@ -109,7 +112,7 @@ class Recipe:
         for name in self.conversion:
             unregister_checkpoint_conversion_mapping(name)
 
-    def __add__(self, other: "Recipe") -> "Recipe":
+    def __add__(self, other: Recipe) -> Recipe:
         """Both recipes at once. Rules registered under the same name are concatenated (``overwrite`` if either
         asks for it).
 
@@ -118,7 +121,11 @@ class Recipe:
         """
         if not isinstance(other, Recipe):
             return NotImplemented
-        clash = [k for k in other.patch_mapping if k in self.patch_mapping and self.patch_mapping[k] is not other.patch_mapping[k]]
+        clash = [
+            k
+            for k in other.patch_mapping
+            if k in self.patch_mapping and self.patch_mapping[k] is not other.patch_mapping[k]
+        ]
         if clash:
             raise ModelpatchValueError(f"recipes {self.name!r} and {other.name!r} both patch {clash}")
         conversion = dict(self.conversion)

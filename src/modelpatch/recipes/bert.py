@@ -15,8 +15,8 @@ from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
-from ..errors import ModelpatchValueError
 from ..conversion import Concatenate, WeightConverter
+from ..errors import ModelpatchValueError
 from .base import Recipe, RuleSpec
 
 __all__ = ["FusedQKVBertSelfAttention", "bert_fused_qkv_rules", "BERT_FUSED_QKV"]
@@ -50,20 +50,35 @@ class FusedQKVBertSelfAttention(nn.Module):
         hidden_shape = (*input_shape, -1, self.attention_head_size)
         query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in self.qkv(hidden_states).chunk(3, dim=-1))
         if past_key_values is not None:
-            cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
+            cache = (
+                past_key_values.self_attention_cache
+                if isinstance(past_key_values, EncoderDecoderCache)
+                else past_key_values
+            )
             key, value = cache.update(key, value, self.layer_idx)  # type: ignore[arg-type]  # set when a cache is used
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         output, weights = attention(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.dropout.p, scaling=self.scaling, **kwargs,
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout.p,
+            scaling=self.scaling,
+            **kwargs,
         )
         return output.reshape(*input_shape, -1).contiguous(), weights
 
 
 def bert_fused_qkv_rules() -> list:
     """``attention.self.{query,key,value}.{weight,bias}`` → ``attention.self.qkv.*`` by ``Concatenate(dim=0)``."""
-    return [WeightConverter(["attention.self.query", "attention.self.key", "attention.self.value"],
-                            ["attention.self.qkv"], [Concatenate(dim=0)])]
+    return [
+        WeightConverter(
+            ["attention.self.query", "attention.self.key", "attention.self.value"],
+            ["attention.self.qkv"],
+            [Concatenate(dim=0)],
+        )
+    ]
 
 
 BERT_FUSED_QKV = Recipe(

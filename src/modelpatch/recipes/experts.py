@@ -59,8 +59,14 @@ class ExpertsFamily:
 FAMILIES = (
     ExpertsFamily("qwen2_moe", "Qwen2MoeExperts", "num_experts", "moe_intermediate_size"),
     ExpertsFamily("qwen3_moe", "Qwen3MoeExperts", "num_experts", "moe_intermediate_size"),
-    ExpertsFamily("mixtral", "MixtralExperts", "num_local_experts", "intermediate_size", ("w1", "w3", "w2"),
-                  (("block_sparse_moe", "mlp"),)),
+    ExpertsFamily(
+        "mixtral",
+        "MixtralExperts",
+        "num_local_experts",
+        "intermediate_size",
+        ("w1", "w3", "w2"),
+        (("block_sparse_moe", "mlp"),),
+    ),
     ExpertsFamily("olmoe", "OlmoeExperts", "num_local_experts", "intermediate_size"),
     ExpertsFamily("deepseek_v3", "DeepseekV3Experts", "num_local_experts", "moe_intermediate_size"),
 )
@@ -97,7 +103,9 @@ class LinearExperts(nn.ModuleList):
         for _ in range(self.num_experts):
             self.append(ExpertMLP(self.hidden_dim, self.intermediate_dim, config.hidden_act, family.names))
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -113,8 +121,16 @@ class LinearExperts(nn.ModuleList):
 
 def _make_class(family: ExpertsFamily) -> type[LinearExperts]:
     name = f"Linear{family.original}"
-    cls = type(name, (LinearExperts,), {"family": family, "__module__": __name__, "__qualname__": name,
-                                        "__doc__": f"Per-expert linear replacement of ``{family.original}``."})
+    cls = type(
+        name,
+        (LinearExperts,),
+        {
+            "family": family,
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"Per-expert linear replacement of ``{family.original}``.",
+        },
+    )
     globals()[name] = cls
     return cls
 
@@ -135,8 +151,11 @@ def _from_fused_factory(family: ExpertsFamily):
 
     def rules() -> list:
         return [
-            WeightConverter("mlp.experts.gate_up_proj", [f"mlp.experts.*.{gate}.weight", f"mlp.experts.*.{up}.weight"],
-                            [Chunk(dim=1), SplitModulelist(dim=0)]),
+            WeightConverter(
+                "mlp.experts.gate_up_proj",
+                [f"mlp.experts.*.{gate}.weight", f"mlp.experts.*.{up}.weight"],
+                [Chunk(dim=1), SplitModulelist(dim=0)],
+            ),
             WeightConverter("mlp.experts.down_proj", f"mlp.experts.*.{down}.weight", [SplitModulelist(dim=0)]),
         ]
 
@@ -151,7 +170,8 @@ def linear_experts_recipe(family: ExpertsFamily, *, from_fused: bool = False) ->
         description=f"{family.original} -> ModuleList of per-expert nn.Linear ({'/'.join(family.names)})"
         + (", from a fused-layout checkpoint" if from_fused else ""),
         patch_mapping={family.original: LINEAR_EXPERTS_CLASSES[family.model_type]},
-        conversion={family.model_type: RuleSpec((_from_fused_factory if from_fused else _rules_factory)(family),
-                                                overwrite=True)},
+        conversion={
+            family.model_type: RuleSpec((_from_fused_factory if from_fused else _rules_factory)(family), overwrite=True)
+        },
         model_types=(family.model_type,),
     )

@@ -24,7 +24,8 @@ Which inputs hold how many sequences (:func:`split_sequences`):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn

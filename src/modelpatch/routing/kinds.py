@@ -28,16 +28,24 @@ Kinds:
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .errors import RouterContractError
 
-
-__all__ = ["RouterKind", "TopKSelection", "SparseMixerSelection", "TOPK", "SPARSEMIXER", "FAMILY_KINDS",
-           "UNSUPPORTED_FAMILIES", "kind_for_family", "RouterContractError"]
+__all__ = [
+    "RouterKind",
+    "TopKSelection",
+    "SparseMixerSelection",
+    "TOPK",
+    "SPARSEMIXER",
+    "FAMILY_KINDS",
+    "UNSUPPORTED_FAMILIES",
+    "kind_for_family",
+    "RouterContractError",
+]
 
 
 def _merge_forced(natural: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
@@ -80,13 +88,7 @@ class _RoutingTopKMode(TorchFunctionMode):
             k = args[1] if len(args) > 1 else kwargs.get("k")
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
             largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-            if (
-                k == self.top_k
-                and largest
-                and inp.dim() == 2
-                and inp.shape[-1] == self.num_experts
-                and dim in (-1, 1)
-            ):
+            if k == self.top_k and largest and inp.dim() == 2 and inp.shape[-1] == self.num_experts and dim in (-1, 1):
                 self.hits += 1
                 out = func(*args, **kwargs)
                 if self.forced is None:
@@ -178,7 +180,9 @@ class SparseMixerSelection(RouterKind):
             sink(out[2])
             return out
         if site.top_k != 2:
-            raise RouterContractError(f"layer {site.layer_idx}: sparsemixer routes top-2, router has top_k={site.top_k}")
+            raise RouterContractError(
+                f"layer {site.layer_idx}: sparsemixer routes top-2, router has top_k={site.top_k}"
+            )
         # PhimoeMultiplier (the training-time gradient estimator) lives in the router's modeling module; look
         # through a dynamic subclass (FSDP2) to find it.
         modeling = next(sys.modules[c.__module__] for c in type(router).__mro__ if "modeling_" in c.__module__)
@@ -209,17 +213,31 @@ SPARSEMIXER = SparseMixerSelection()
 #: Comments give each router's math as read in Transformers 5.23.
 FAMILY_KINDS: dict[str, RouterKind] = {
     # softmax over all experts -> topk -> optional renormalisation (norm_topk_prob)
-    "qwen2_moe": TOPK, "qwen3_moe": TOPK, "qwen3_next": TOPK, "olmoe": TOPK, "flex_olmo": TOPK,
-    "qwen3_vl_moe": TOPK, "qwen3_omni_moe": TOPK, "qwen3_5_moe": TOPK,
+    "qwen2_moe": TOPK,
+    "qwen3_moe": TOPK,
+    "qwen3_next": TOPK,
+    "olmoe": TOPK,
+    "flex_olmo": TOPK,
+    "qwen3_vl_moe": TOPK,
+    "qwen3_omni_moe": TOPK,
+    "qwen3_5_moe": TOPK,
     # softmax -> topk -> always renormalised
-    "mixtral": TOPK, "minimax": TOPK,
+    "mixtral": TOPK,
+    "minimax": TOPK,
     # softmax -> topk, weights left unnormalised
     "jamba": TOPK,
     # topk over raw logits -> softmax over the k selected logits
-    "granitemoe": TOPK, "granitemoeshared": TOPK, "granitemoehybrid": TOPK, "gpt_oss": TOPK,
+    "granitemoe": TOPK,
+    "granitemoeshared": TOPK,
+    "granitemoehybrid": TOPK,
+    "gpt_oss": TOPK,
     # sigmoid; selection on sigmoid + e_score_correction_bias with group-limited masking; weights gathered from
     # the unbiased sigmoid, optionally renormalised, times routed_scaling_factor
-    "deepseek_v3": TOPK, "glm4_moe": TOPK, "glm4v_moe": TOPK, "dots1": TOPK, "kimi_linear": TOPK,
+    "deepseek_v3": TOPK,
+    "glm4_moe": TOPK,
+    "glm4v_moe": TOPK,
+    "dots1": TOPK,
+    "kimi_linear": TOPK,
     # PhiMoE sparsemixer
     "phimoe": SPARSEMIXER,
 }

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.utils import logging
-from ..errors import ModelpatchRuntimeError
 
+from ..errors import ModelpatchRuntimeError
 
 logger = logging.get_logger(__name__)
 

@@ -57,9 +57,9 @@ def _noop(idx) -> None:
 
 
 class _Active(NamedTuple):
-    frame: "RecomputeFrame"
+    frame: RecomputeFrame
     recompute: bool
-    parent: "_Active | None"
+    parent: _Active | None
 
 
 # The frames whose function is running in this thread / task, innermost first (set and reset by ``run`` around

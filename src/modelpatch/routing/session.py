@@ -24,8 +24,9 @@ The classes behind the two context managers:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -433,8 +434,7 @@ class ReplaySession(_SessionDriver):
         if unbound_checkpoint_on_stack():
             raise RoutingReplayError(
                 f"layer {site.layer_idx}: the router runs inside a torch.utils.checkpoint call that replay_routing "
-                "is not bound to; its recomputation in backward would not use the replayed indices; "
-                + _CHECKPOINT_HINT
+                "is not bound to; its recomputation in backward would not use the replayed indices; " + _CHECKPOINT_HINT
             )
         hidden = args[0] if args else next(iter(kwargs.values()))
         forced = self._forced(site, hidden.numel() // hidden.shape[-1])

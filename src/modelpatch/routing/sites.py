@@ -71,7 +71,7 @@ def _is_router_class(cls: type) -> bool:
 
 
 _ROUTER_BASE: dict[type, type | None] = {}
-_SITES_CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_SITES_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def _router_base(cls: type) -> type | None:
@@ -140,9 +140,7 @@ def _discover(model: nn.Module) -> tuple[list[RouterSite], str, int]:
             )
         family = _family_of(base)
         stacks.add(m.group("stack"))
-        sites.append(
-            RouterSite(name, module, int(m.group("idx")), num_experts, top_k, family, kind_for_family(family))
-        )
+        sites.append(RouterSite(name, module, int(m.group("idx")), num_experts, top_k, family, kind_for_family(family)))
     if not sites:
         raise RoutingDiscoveryError(
             f"{type(model).__name__} has no top-k router module (a Transformers class named *Router, or *Gate / "

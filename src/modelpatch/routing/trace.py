@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,7 +78,7 @@ class _Block:
         self.ids, self.free = ids, free
 
     @classmethod
-    def encode(cls, idx: torch.Tensor, dtype: torch.dtype) -> "_Block":
+    def encode(cls, idx: torch.Tensor, dtype: torch.dtype) -> _Block:
         free = idx[:, 0] < 0 if idx.numel() else None
         if free is not None and not bool(free.any()):
             free = None
@@ -146,9 +147,7 @@ class RoutingTrace:
         else:
             self.num_experts = {layer: int(num_experts) for layer in layers}
         if top_k is None:
-            top_k = {
-                int(k): (int(v[0].shape[-1]) if len(v) else 0) for k, v in routes.items()
-            }
+            top_k = {int(k): (int(v[0].shape[-1]) if len(v) else 0) for k, v in routes.items()}
         if isinstance(top_k, Mapping):
             self.top_k = {int(k): int(v) for k, v in top_k.items()}
         else:
@@ -186,7 +185,9 @@ class RoutingTrace:
             RoutingTraceError: with ``check=True``, as the constructor (shape, dtype, range, mixed or repeated ids).
         """
         if layer_idx not in self._blocks:
-            raise ModelpatchKeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
+            raise ModelpatchKeyError(
+                f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})"
+            )
         dtype = self.storage_dtype(layer_idx)
         if check:
             ids = _check_rows(ids, layer_idx, sequence, self.num_experts[layer_idx], self.top_k[layer_idx])
@@ -260,7 +261,9 @@ class RoutingTrace:
             ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
         """
         if layer_idx not in self._blocks:
-            raise ModelpatchKeyError(f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})")
+            raise ModelpatchKeyError(
+                f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})"
+            )
         rows = self._decoded.get(layer_idx)
         if rows is None or len(rows) != len(self._blocks[layer_idx]):
             self._consolidate()
@@ -328,7 +331,7 @@ class RoutingTrace:
             f"num_experts={sorted(set(self.num_experts.values()))})"
         )
 
-    def select(self, sequences: Sequence[int]) -> "RoutingTrace":
+    def select(self, sequences: Sequence[int]) -> RoutingTrace:
         """A trace holding only the given sequences, in the given order (e.g. one data-parallel rank's share)."""
         routes = {layer: [self[layer][i] for i in sequences] for layer in self.layers}
         return RoutingTrace(
@@ -336,7 +339,7 @@ class RoutingTrace:
         )
 
     # -- multi-turn -----------------------------------------------------------------------------------------
-    def extend(self, next_turn: "RoutingTrace", *, next_turn_offset: int | Sequence[int] = 0) -> "RoutingTrace":
+    def extend(self, next_turn: RoutingTrace, *, next_turn_offset: int | Sequence[int] = 0) -> RoutingTrace:
         """Stitch the next turn of a multi-turn conversation onto this one.
 
         ``next_turn`` sequence *i* continues this trace's sequence *i*; its row 0 is the conversation's token
@@ -392,7 +395,7 @@ class RoutingTrace:
         attention_mask=None,
         seq_lens: Sequence[int] | None = None,
         layer_axis: str = "auto",
-    ) -> "RoutingTrace":
+    ) -> RoutingTrace:
         """Build a trace from inference-engine arrays.
 
         Args:
@@ -489,8 +492,10 @@ class RoutingTrace:
         tensors = {}
         for layer, seqs in self._blocks.items():
             for i, blocks in enumerate(seqs):
-                block = blocks[0] if blocks else _Block.encode(
-                    torch.empty(0, self.top_k[layer], dtype=torch.int64), self.storage_dtype(layer)
+                block = (
+                    blocks[0]
+                    if blocks
+                    else _Block.encode(torch.empty(0, self.top_k[layer], dtype=torch.int64), self.storage_dtype(layer))
                 )
                 tensors[f"layers.{layer}.seq.{i}"] = block.ids.contiguous()
                 if block.free is not None:
@@ -505,7 +510,7 @@ class RoutingTrace:
         save_file(tensors, os.fspath(path), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "RoutingTrace":
+    def load(cls, path: str | os.PathLike) -> RoutingTrace:
         """Read a trace written by :meth:`save`.
 
         Raises:
