@@ -184,6 +184,14 @@ _CLASS_STATEMENT = re.compile(rb"\nclass (\w+)\(([^)]*)\)")
 _NOT_A_MODULE_BASE = re.compile(rb"ModelOutput|TypedDict|Config\b|Enum\b|Exception\b|NamedTuple|Protocol\b")
 
 
+def _is_dataclass(text: bytes, start: int) -> bool:
+    """Whether the class statement at ``start`` is decorated with ``@dataclass`` (an output dataclass, whatever its
+    base is called: ``MultimodalCausalLMOutputWithPast`` in Transformers 5.24): the decorator block is the text
+    between the previous blank line and the statement."""
+    block_start = text.rfind(b"\n\n", 0, start)
+    return b"@dataclass" in text[block_start if block_start >= 0 else 0 : start]
+
+
 @functools.lru_cache(maxsize=1)
 def source_class_names() -> dict[str, frozenset[str]]:
     """``{module name: names of the classes it defines}`` for every modeling module shipped with Transformers
@@ -217,7 +225,9 @@ def source_class_names() -> dict[str, frozenset[str]]:
         except OSError:
             continue
         found[module_name] = frozenset(
-            name.decode() for name, bases in _CLASS_STATEMENT.findall(text) if not _NOT_A_MODULE_BASE.search(bases)
+            match.group(1).decode()
+            for match in _CLASS_STATEMENT.finditer(text)
+            if not _NOT_A_MODULE_BASE.search(match.group(2)) and not _is_dataclass(text, match.start())
         )
     return found
 
