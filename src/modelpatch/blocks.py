@@ -11,12 +11,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 from .conversion.registry import apply_conversion_rules as _conversion_rules
 from .conversion.registry import scoped_rulesets
 from .errors import ModelpatchValueError
 from .patching.registry import build_patch_mapping, registered_patch_mapping
 from .patching.scopes import PatchScope
+
+if TYPE_CHECKING:
+    from transformers.core_model_loading import WeightTransform
 
 __all__ = ["apply_patches"]
 
@@ -25,7 +29,7 @@ def apply_patches(
     mapping: Mapping[str, type] | None = None,
     *,
     strict: bool = False,
-    conversion_rules: Mapping[str, Sequence] | None = None,
+    conversion_rules: Mapping[str, Sequence[WeightTransform]] | None = None,
     overwrite: bool | Collection[str] = False,
 ) -> PatchScope:
     """Context manager (and decorator): build models with class replacements inside the block, originals outside.
@@ -57,7 +61,7 @@ def apply_patches(
     of order) nothing remains to undo. Modules built inside the block keep their replacements.
     """
     resolved = registered_patch_mapping() if mapping is None else build_patch_mapping(mapping)
-    companions: tuple[Callable[[], AbstractContextManager], ...] = ()
+    companions: tuple[Callable[[], AbstractContextManager[object]], ...] = ()
     if conversion_rules is not None:
         scoped_rulesets(conversion_rules, overwrite=overwrite, strict=strict)  # validate now, not at entry
         if conversion_rules:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["ABSENT", "UndoStack"]
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 class _Absent:
@@ -97,14 +100,14 @@ class UndoStack:
         with self._lock:
             self._changes.append((kind, target, name, previous))
 
-    def setitem(self, mapping: MutableMapping, key: object, value: object) -> None:
+    def setitem(self, mapping: MutableMapping[_K, _V], key: _K, value: _V) -> None:
         """Set ``mapping[key] = value``; undo restores the previous value or deletes the key."""
         previous = mapping.get(key, ABSENT)
         mapping[key] = value
         with self._lock:
             self._changes.append(("item", mapping, key, previous))
 
-    def delitem(self, mapping: MutableMapping, key: object) -> None:
+    def delitem(self, mapping: MutableMapping[_K, Any], key: _K) -> None:
         """Delete ``mapping[key]`` if present; undo sets it back."""
         if key not in mapping:
             return

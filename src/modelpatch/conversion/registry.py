@@ -16,11 +16,12 @@ from copy import deepcopy
 from dataclasses import dataclass
 
 from transformers import conversion_mapping as _tcm
+from transformers import core_model_loading as _tcml
 
 from ..errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
 from ..patching.registry import on_clear
 from .overlap import drop_replaced_builtins
-from .rules import as_modelpatch_rule
+from .rules import WeightConverter, WeightRenaming, as_modelpatch_rule
 
 __all__ = [
     "RuleSet",
@@ -44,11 +45,11 @@ class RuleSet:
     """
 
     name: str
-    rules: tuple
+    rules: tuple[WeightRenaming | WeightConverter, ...]
     overwrite: bool = False
     strict: bool = False
 
-    def fresh_rules(self) -> list:
+    def fresh_rules(self) -> list[WeightRenaming | WeightConverter]:
         return [deepcopy(rule) for rule in self.rules]
 
 
@@ -58,7 +59,7 @@ _cleared: set[str] = set()  # names removed by a clear, so a later unregister of
 _scoped: ContextVar[tuple[Mapping[str, RuleSet], ...]] = ContextVar("modelpatch_conversion_scopes", default=())
 
 
-def _make_ruleset(name, mapping, overwrite, strict) -> RuleSet:
+def _make_ruleset(name: object, mapping: object, overwrite: object, strict: object) -> RuleSet:
     if not isinstance(name, str) or not name:
         raise ModelpatchTypeError(f"model_type_or_class_name must be a non-empty str, got {name!r}")
     if isinstance(mapping, (str, bytes)) or not isinstance(mapping, Sequence):
@@ -69,7 +70,11 @@ def _make_ruleset(name, mapping, overwrite, strict) -> RuleSet:
 
 
 def register_checkpoint_conversion_mapping(
-    model_type_or_class_name: str, mapping: Sequence, overwrite: bool = False, *, strict: bool = False
+    model_type_or_class_name: str,
+    mapping: Sequence[_tcml.WeightTransform],
+    overwrite: bool = False,
+    *,
+    strict: bool = False,
 ) -> None:
     """Register conversion rules for a ``model_type`` (e.g. ``"qwen2_moe"``) or a class name (e.g.
     ``"LlamaForCausalLM"``; class names win over ``model_type``).
@@ -188,21 +193,22 @@ def has_rules() -> bool:
     return bool(_scoped.get()) or bool(_global)
 
 
-def builtin_rules(name: str | None) -> list | None:
+def builtin_rules(name: str | None) -> list[_tcml.WeightTransform] | None:
     """Transformers' built-in rules for ``name`` (a fresh copy), or ``None``."""
     if not name:
         return None
-    return _tcm.get_checkpoint_conversion_mapping(name)
+    rules: list[_tcml.WeightTransform] | None = _tcm.get_checkpoint_conversion_mapping(name)  # unannotated there
+    return rules
 
 
-def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list | None:
+def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list[_tcml.WeightTransform] | None:
     """The effective rules for a name: the user's rules followed by the built-in rules they do not replace
     (only the user's with ``overwrite=True``), or the built-ins alone, or ``None``. Returns fresh copies."""
     user = lookup(model_type_or_class_name)
     builtins = builtin_rules(model_type_or_class_name)
     if user is None:
         return builtins
-    rules = user.fresh_rules()
+    rules: list[_tcml.WeightTransform] = list(user.fresh_rules())
     if builtins and not user.overwrite:
         rules += drop_replaced_builtins(builtins, rules)
     return rules
@@ -210,7 +216,10 @@ def get_checkpoint_conversion_mapping(model_type_or_class_name: str) -> list | N
 
 @contextmanager
 def apply_conversion_rules(
-    mapping: Mapping[str, Sequence], *, overwrite: bool | Collection[str] = False, strict: bool = False
+    mapping: Mapping[str, Sequence[_tcml.WeightTransform]],
+    *,
+    overwrite: bool | Collection[str] = False,
+    strict: bool = False,
 ) -> Iterator[None]:
     """Scoped form of :func:`register_checkpoint_conversion_mapping`: ``{name: [rules...]}`` apply to loads and saves
     inside the block (current thread/async context only) and are gone after it, also on error. Rules of nested
@@ -240,7 +249,10 @@ def apply_conversion_rules(
 
 
 def scoped_rulesets(
-    mapping: Mapping[str, Sequence], *, overwrite: bool | Collection[str] = False, strict: bool = False
+    mapping: Mapping[str, Sequence[_tcml.WeightTransform]],
+    *,
+    overwrite: bool | Collection[str] = False,
+    strict: bool = False,
 ) -> dict[str, RuleSet]:
     """Validate the arguments of :func:`apply_conversion_rules` into ``{name: RuleSet}`` (raises as it documents)."""
     if not isinstance(mapping, Mapping):

@@ -8,6 +8,10 @@ multiprocessing) and dies with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .conflicts import Conflict
 
 __all__ = [
     "replacement_of",
@@ -21,6 +25,19 @@ __all__ = [
 
 _PROVENANCE_ATTR = "_modelpatch_replaced"
 _BUILD_ATTR = "_modelpatch_build"
+
+
+class _LiveScope(Protocol):
+    """What a :class:`BuildRecord` reads from the still-open scopes that built a model (a
+    :class:`~modelpatch.PatchScope`; described here because :mod:`.scopes` imports this module)."""
+
+    @property
+    def unmatched_keys(self) -> tuple[str, ...]: ...
+
+    @property
+    def not_applicable_keys(self) -> tuple[str, ...]: ...
+
+    def conflicts(self) -> list[Conflict]: ...
 
 
 @dataclass(frozen=True)
@@ -43,11 +60,11 @@ class BuildRecord:
 
     keys: tuple[str, ...]
     unmatched: tuple[str, ...] | None = None
-    conflicts: tuple = ()
+    conflicts: tuple[Conflict, ...] = ()
     not_applicable: tuple[str, ...] = ()
-    scopes: tuple = field(default=(), repr=False, compare=False)
+    scopes: tuple[_LiveScope, ...] = field(default=(), repr=False, compare=False)
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["scopes"] = ()  # live scopes are process-local
         return state

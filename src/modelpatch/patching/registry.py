@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -50,7 +50,7 @@ class PatchRule:
 
     key: str
     replacement: type
-    pattern: re.Pattern | None
+    pattern: re.Pattern[str] | None
 
     @property
     def is_exact(self) -> bool:
@@ -252,10 +252,10 @@ def clear_patch_mapping() -> None:
         callback()
 
 
-_CLEAR_CALLBACKS: list = []
+_CLEAR_CALLBACKS: list[Callable[[], None]] = []
 
 
-def on_clear(callback) -> None:
+def on_clear(callback: Callable[[], None]) -> None:
     """Call ``callback()`` (no arguments) after every :func:`clear_patch_mapping` (idempotent per callback).
 
     How layers above the patch registry (the conversion rule registry) clear their own user state with it

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
 
@@ -34,10 +36,10 @@ class PatchReport:
     rows: list[PatchRow] = field(default_factory=list)
     unmatched_keys: list[str] = field(default_factory=list)
     conflicts: list[Conflict] = field(default_factory=list)
-    conversion: list = field(default_factory=list)
+    conversion: list[Any] = field(default_factory=list)  # rows of the conversion layer (duck-typed ``as_dict``)
     not_applicable_keys: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {
             "replaced": [
@@ -107,10 +109,12 @@ def patch_report(model: nn.Module) -> PatchReport:
     return report
 
 
-_CONVERSION_READERS: list = []
+_ConversionReader = Callable[[nn.Module], Iterable[Any]]
+
+_CONVERSION_READERS: list[_ConversionReader] = []
 
 
-def add_conversion_reader(reader) -> None:
+def add_conversion_reader(reader: _ConversionReader) -> None:
     """Have :func:`patch_report` fill ``PatchReport.conversion`` with ``reader(model)`` (a list of rows).
 
     The conversion layer registers :func:`modelpatch.conversion.conversion_report` here when it is imported;

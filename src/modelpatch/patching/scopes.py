@@ -17,8 +17,10 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from transformers.utils import logging
 
@@ -27,6 +29,11 @@ from .catalog import CATALOG, known_class_names
 from .interception import install_hook, uninstall_hook
 from .provenance import Replacement, build_record, provenance, set_provenance
 from .registry import PatchMapping, PatchRule
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .conflicts import Conflict
 
 logger = logging.get_logger("modelpatch")
 
@@ -39,6 +46,11 @@ class UnmatchedPatchKeyError(ModelpatchError, ValueError):
 
 _STATS_LOCK = threading.Lock()
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# ``{class: (winning rule, every key that matches it)}``, see :func:`_resolve`
+_Resolution = dict[type, tuple[PatchRule, tuple[str, ...]]]
+
 _ACTIVE: ContextVar[tuple[PatchScope, ...]] = ContextVar("modelpatch_active_scopes", default=())
 
 _LIVE_LOCK = threading.RLock()
@@ -50,7 +62,7 @@ def active_scopes() -> tuple[PatchScope, ...]:
     return tuple(s for s in _ACTIVE.get() if not s.closed)
 
 
-def _lookup(target: type):
+def _lookup(target: type) -> tuple[type, Callable[[object], None]] | None:
     """The hook's question: is ``target`` replaced for the caller? Returns (replacement, on_built)."""
     scopes = _ACTIVE.get()
     if not scopes:
@@ -110,8 +122,8 @@ class PatchScope:
         explicit: bool,
         strict: bool = False,
         label: str = "apply_patches",
-        companions: tuple[Callable[[], contextlib.AbstractContextManager], ...] = (),
-    ):
+        companions: tuple[Callable[[], contextlib.AbstractContextManager[object]], ...] = (),
+    ) -> None:
         self.mapping = mapping
         self.companions = tuple(companions)
         self._exit_stack = contextlib.ExitStack()
@@ -124,7 +136,7 @@ class PatchScope:
         self.candidates: dict[type, tuple[str, ...]] = {}  # class -> every key that matches it
         self.constructed: set[type] = set()  # matched classes whose construction was seen
         self.matched: set[str] = set()  # keys that matched a constructed class
-        self.models: weakref.WeakSet = weakref.WeakSet()  # PreTrainedModels built inside
+        self.models: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()  # PreTrainedModels built inside
         self.models_built = 0
         self.closed = False
         self._classified: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -132,7 +144,7 @@ class PatchScope:
         self._hooked: list[type] = []
 
     # -- resolution -------------------------------------------------------------------------------
-    def _extend(self, resolved: dict[type, tuple[PatchRule, tuple[str, ...]]]) -> None:
+    def _extend(self, resolved: _Resolution) -> None:
         """Target the classes of ``resolved`` (see :func:`_resolve`) not targeted yet."""
         if self.closed:
             return
@@ -151,7 +163,7 @@ class PatchScope:
             self.constructed.add(target)
             self.matched.update(keys)
 
-    def _recorder(self, original: type, rule: PatchRule):
+    def _recorder(self, original: type, rule: PatchRule) -> Callable[[object], None]:
         def on_built(module: object) -> None:
             set_provenance(module, Replacement(original, rule.replacement, rule.key))
             with _STATS_LOCK:
@@ -160,7 +172,7 @@ class PatchScope:
 
         return on_built
 
-    def _built_model(self, model) -> None:
+    def _built_model(self, model: PreTrainedModel) -> None:
         """A ``PreTrainedModel`` is being constructed inside this scope."""
         self.models.add(model)
         self.models_built += 1
@@ -200,7 +212,7 @@ class PatchScope:
         """Keys that matched a constructed class but lost to another key or an enclosing block."""
         return tuple(k for k in self.mapping.keys if k in self.matched and k not in self.fired)
 
-    def conflicts(self):
+    def conflicts(self) -> list[Conflict]:
         """Container/inner conflicts among the classes this scope replaced (see :mod:`modelpatch.patching.conflicts`)."""
         from .conflicts import find_conflicts
 
@@ -249,7 +261,7 @@ class PatchScope:
             raise ModelpatchRuntimeError("PatchScope.stop(): the scope is not started (or already stopped)")
         self.__exit__(None, None, None)
 
-    def __call__(self, func):
+    def __call__(self, func: _F) -> _F:
         """Decorate ``func`` (a plain or ``async`` function): each call runs inside a fresh copy of this block.
 
         Raises:
@@ -274,18 +286,18 @@ class PatchScope:
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
-            async def run_patched_async(*args, **kwargs):
+            async def run_patched_async(*args: Any, **kwargs: Any) -> Any:
                 with fresh():  # entered in the task running the coroutine: other tasks do not see it
                     return await func(*args, **kwargs)
 
-            return run_patched_async
+            return cast(_F, run_patched_async)  # same signature as ``func``
 
         @functools.wraps(func)
-        def run_patched(*args, **kwargs):
+        def run_patched(*args: Any, **kwargs: Any) -> Any:
             with fresh():
                 return func(*args, **kwargs)
 
-        return run_patched
+        return cast(_F, run_patched)  # same signature as ``func``
 
     def _release(self) -> None:
         self.closed = True
@@ -295,7 +307,9 @@ class PatchScope:
             for cls in hooked:
                 uninstall_hook(cls)
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         _ACTIVE.set(tuple(s for s in _ACTIVE.get() if s is not self))
         try:
             self._exit_stack.__exit__(exc_type, exc, tb)
@@ -378,7 +392,7 @@ class PatchScope:
                 names.add(found.original.__name__ if found is not None else type(module).__name__)
         return names
 
-    def _report_late_imports(self, unmatched) -> None:
+    def _report_late_imports(self, unmatched: tuple[str, ...]) -> None:
         """Keys naming classes whose module was first imported inside the block, with no model built after the
         import: a module of that class built directly was not replaced (the catalogue is refreshed when a model is
         built, not on every import)."""
@@ -443,13 +457,13 @@ def _hint(key: str, built: set[str]) -> str:
     return f"; {key!r}: did you mean {close[0]!r}?" if close else ""
 
 
-_RESOLUTION_CACHE: dict[tuple, tuple[int, dict[type, tuple[PatchRule, tuple[str, ...]]], tuple[str, ...] | None]] = {}
+_RESOLUTION_CACHE: dict[tuple[tuple[str, type], ...], tuple[int, _Resolution, tuple[str, ...] | None]] = {}
 _RESOLUTION_CACHE_SIZE = 256
 
 
-def _resolve(mapping: PatchMapping, classes) -> dict[type, tuple[PatchRule, tuple[str, ...]]]:
+def _resolve(mapping: PatchMapping, classes: Iterable[type]) -> _Resolution:
     """``{class: (winning rule, every key that matches it)}`` for the classes ``mapping`` replaces."""
-    found = {}
+    found: _Resolution = {}
     for cls in classes:
         rule = mapping.resolve(cls.__name__)
         if rule is not None and rule.replacement is not cls:
@@ -457,13 +471,13 @@ def _resolve(mapping: PatchMapping, classes) -> dict[type, tuple[PatchRule, tupl
     return found
 
 
-def _resolve_catalog(mapping: PatchMapping) -> dict[type, tuple[PatchRule, tuple[str, ...]]]:
+def _resolve_catalog(mapping: PatchMapping) -> _Resolution:
     """:func:`_resolve` over the whole catalogue, cached by the mapping's content and the catalogue version
     (a block re-entered with an equal mapping, e.g. in a loop, does not scan the catalogue again)."""
     return _cached_resolution(mapping)[0]
 
 
-def _cached_resolution(mapping: PatchMapping):
+def _cached_resolution(mapping: PatchMapping) -> tuple[_Resolution, tuple[str, ...] | None]:
     """``(resolved, watched)``: :func:`_resolve` over the catalogue, and the modules whose replacement or
     re-execution a scope entry with ``mapping`` must notice: those defining a catalogued class named by an exact
     key, or ``None`` (every catalogued module) when ``mapping`` has a pattern or an exact key naming no

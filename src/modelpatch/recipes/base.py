@@ -8,11 +8,17 @@ error) or for the process (``recipe.register()`` / ``recipe.unregister()``). Two
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import ModelpatchValueError
+
+if TYPE_CHECKING:
+    from transformers.core_model_loading import WeightTransform
+
+    from ..patching.scopes import PatchScope
 
 __all__ = ["Recipe", "RuleSpec"]
 
@@ -28,10 +34,10 @@ class RuleSpec:
             ``register_checkpoint_conversion_mapping``), e.g. to keep per-expert checkpoint keys per-expert.
     """
 
-    factory: Callable[[], list]
+    factory: Callable[[], Sequence[WeightTransform]]
     overwrite: bool = False
 
-    def rules(self) -> list:
+    def rules(self) -> list[WeightTransform]:
         return list(self.factory())
 
 
@@ -54,12 +60,12 @@ class Recipe:
     conversion: Mapping[str, RuleSpec] = field(default_factory=dict)
     model_types: tuple[str, ...] = ()
 
-    def build_conversion_rules(self) -> dict[str, list]:
+    def build_conversion_rules(self) -> dict[str, list[WeightTransform]]:
         """Fresh rules per registry name: ``{name: [WeightConverter | WeightRenaming, ...]}``."""
         return {name: spec.rules() for name, spec in self.conversion.items()}
 
     @contextmanager
-    def apply(self, *, strict: bool = False) -> Iterator[object]:
+    def apply(self, *, strict: bool = False) -> Iterator[PatchScope]:
         """Context manager: models built or loaded inside the block get the replacements and conversion rules.
 
         Yields the :class:`~modelpatch.PatchScope` (``scope.fired``, ``scope.unmatched_keys``). Only the calling
@@ -144,5 +150,7 @@ class Recipe:
         )
 
 
-def _chain(first: Callable[[], list], second: Callable[[], list]) -> Callable[[], list]:
+def _chain(
+    first: Callable[[], Sequence[WeightTransform]], second: Callable[[], Sequence[WeightTransform]]
+) -> Callable[[], list[WeightTransform]]:
     return lambda: list(first()) + list(second())

@@ -26,10 +26,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import ModelpatchRuntimeError
 from ..undo import ABSENT, UndoStack
@@ -46,6 +47,9 @@ from .recompute import (
 )
 from .sites import RouterSite, find_router_sites, stack_owner
 from .trace import RoutingTrace
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = [
     "record_routing",
@@ -84,14 +88,14 @@ class _SessionDriver:
         ModelpatchRuntimeError: (on entry) a router is already driven by another block.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.sites, stack_name, self.num_hidden_layers = find_router_sites(model)
         self.owner = stack_owner(model, stack_name)
         self.layout: ForwardLayout | None = None
         self._sig = _signature_binder(self.owner)
         self._undo = UndoStack()  # every change to the model's modules, undone on exit
-        self._handles: list = []
+        self._handles: list[RemovableHandle] = []
         self._last_seqs: list[int] = []
         # modules that may carry a checkpoint function around a router: every ancestor of every router
         hosts: dict[int, nn.Module] = {}
@@ -108,16 +112,30 @@ class _SessionDriver:
         """Give each slot of a forward's layout its trace sequence (``slot.seq``, and for replay its start)."""
         raise NotImplementedError
 
-    def _route(self, site: RouterSite, forward: Callable, args, kwargs, originals: list[RecomputeFrame]):
+    def _route(
+        self,
+        site: RouterSite,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        originals: list[RecomputeFrame],
+    ) -> object:
         """A router call of an ordinary forward (not a recomputation)."""
         raise NotImplementedError
 
-    def _route_unbound_recompute(self, site: RouterSite, forward: Callable, args, kwargs, originals):
+    def _route_unbound_recompute(
+        self,
+        site: RouterSite,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        originals: list[RecomputeFrame],
+    ) -> object:
         """A router call recomputed during backward by a checkpoint no frame is bound to."""
         raise NotImplementedError
 
     # -- hooks ------------------------------------------------------------------------------------------------
-    def _pre_forward(self, module, args, kwargs):
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if _in_backward():
             return None
         self._bind_checkpoints()  # checkpointing may have been enabled inside the block
@@ -126,12 +144,14 @@ class _SessionDriver:
         self.layout = layout
         return None
 
-    def _post_forward(self, module, args, kwargs, output):
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if not _in_backward():
             self.layout = None
         return None
 
-    def _router_call(self, site: RouterSite, forward: Callable, args, kwargs):
+    def _router_call(
+        self, site: RouterSite, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> object:
         source, originals = active_frames()
         if source is not None:  # a bound checkpoint recomputes: exactly the routes of its original forward
             forced = source.take(site)
@@ -167,7 +187,7 @@ class _SessionDriver:
         return keep
 
     # -- install / remove -------------------------------------------------------------------------------------
-    def __enter__(self):
+    def __enter__(self) -> Self:
         try:
             for site in self.sites:
                 router = site.module
@@ -178,7 +198,9 @@ class _SessionDriver:
                     )
                 original = router.forward
 
-                def forward(*args, _site=site, _orig=original, **kwargs):
+                def forward(
+                    *args: Any, _site: RouterSite = site, _orig: Callable[..., Any] = original, **kwargs: Any
+                ) -> object:
                     return self._router_call(_site, _orig, args, kwargs)
 
                 self._undo.setattr(router, "forward", forward, raw=True)
@@ -193,7 +215,7 @@ class _SessionDriver:
             raise
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -226,7 +248,7 @@ class GenerateGuard:
     :class:`~modelpatch.undo.UndoStack`.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.active = False  # inside a guarded generate call
         self.end: int | None = None  # inside generate: grid length after the last forward
@@ -237,7 +259,7 @@ class GenerateGuard:
         if original is None:  # a bare wrapper (DDP) or a base model without generate
             return
 
-        def generate(*args, **kwargs):
+        def generate(*args: Any, **kwargs: Any) -> Any:
             why = _refused_generation(model, args, kwargs)
             if why is not None:
                 raise RoutingTraceError(f"record_routing cannot record generate with {why}")
@@ -284,7 +306,7 @@ class RecordSession(_SessionDriver):
     forward's sequences. ``model.generate`` is guarded by a :class:`GenerateGuard`.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.trace = RoutingTrace(
             {},
@@ -294,7 +316,7 @@ class RecordSession(_SessionDriver):
         )
         self.generate_guard = GenerateGuard(model)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         super().__enter__()
         try:
             self.generate_guard.install(self._undo)
@@ -329,12 +351,26 @@ class RecordSession(_SessionDriver):
         for slot in layout.slots:
             self.trace.append(site.layer_idx, slot.seq, compact[slot.rows], check=False)
 
-    def _route(self, site, forward, args, kwargs, originals):
+    def _route(
+        self,
+        site: RouterSite,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        originals: list[RecomputeFrame],
+    ) -> object:
         for frame in originals:
             frame.add(site, None)  # a recomputation routes naturally, as this forward does
         return site.kind.call(site, forward, args, kwargs, None, lambda idx: self._record(site, idx))
 
-    def _route_unbound_recompute(self, site, forward, args, kwargs, originals):
+    def _route_unbound_recompute(
+        self,
+        site: RouterSite,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        originals: list[RecomputeFrame],
+    ) -> object:
         for frame in originals:
             frame.add(site, None)
         return site.kind.call(site, forward, args, kwargs, None, _noop)  # not recorded twice
@@ -347,7 +383,7 @@ class ReplaySession(_SessionDriver):
         RoutingTraceError: (on construction) the trace's layers, top-k or id range do not fit the model.
     """
 
-    def __init__(self, model: nn.Module, trace: RoutingTrace):
+    def __init__(self, model: nn.Module, trace: RoutingTrace) -> None:
         super().__init__(model)
         self.trace = trace
         model_layers = tuple(s.layer_idx for s in self.sites)
@@ -430,7 +466,14 @@ class ReplaySession(_SessionDriver):
             dense[slot.rows] = got
         return dense
 
-    def _route(self, site, forward, args, kwargs, originals):
+    def _route(
+        self,
+        site: RouterSite,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        originals: list[RecomputeFrame],
+    ) -> object:
         if unbound_checkpoint_on_stack():
             raise RoutingReplayError(
                 f"layer {site.layer_idx}: the router runs inside a torch.utils.checkpoint call that replay_routing "
@@ -442,7 +485,14 @@ class ReplaySession(_SessionDriver):
             frame.add(site, forced)
         return site.kind.call(site, forward, args, kwargs, forced, _noop)
 
-    def _route_unbound_recompute(self, site, forward, args, kwargs, originals):
+    def _route_unbound_recompute(
+        self,
+        site: RouterSite,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        originals: list[RecomputeFrame],
+    ) -> object:
         raise RoutingReplayError(
             f"layer {site.layer_idx}: the router is recomputed during backward by an activation checkpoint "
             "replay_routing is not bound to, so the recomputation cannot be given the indices of its "
@@ -508,7 +558,7 @@ def record_routing(model: nn.Module) -> Iterator[RoutingTrace]:
 _ASSISTED_OPTIONS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
 
 
-def _generation_config(model: nn.Module, args: tuple, kwargs: dict):
+def _generation_config(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The generation config ``generate(*args, **kwargs)`` will run with (``None`` if it cannot be read)."""
     config: Any = kwargs.get("generation_config")
     if config is None and len(args) > 1:
@@ -527,7 +577,7 @@ def _generation_config(model: nn.Module, args: tuple, kwargs: dict):
         return None
 
 
-def _refused_generation(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+def _refused_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Why ``record_routing`` cannot record this ``generate`` call, or ``None``."""
     config = _generation_config(model, args, kwargs)
     if kwargs.get("custom_generate") is not None:

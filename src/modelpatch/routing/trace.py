@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -283,7 +283,8 @@ class RoutingTrace:
         if key not in self._decoded:
             rows = self.layer_routes(layer_idx, copy=False)
             self._decoded[key] = max((int(t.max()) for t in rows if t.numel()), default=-1)
-        return self._decoded[key]
+        largest: int = self._decoded[key]  # the cache holds an int under ("max", layer)
+        return largest
 
     def __contains__(self, layer_idx: object) -> bool:
         return layer_idx in self._blocks
@@ -294,10 +295,10 @@ class RoutingTrace:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def keys(self):
+    def keys(self) -> tuple[int, ...]:
         return self.layers
 
-    def items(self):
+    def items(self) -> list[tuple[int, list[torch.Tensor]]]:
         return [(layer, self[layer]) for layer in self.layers]
 
     def sequence(self, seq: int) -> dict[int, torch.Tensor]:
@@ -389,10 +390,10 @@ class RoutingTrace:
     @classmethod
     def from_routed_experts(
         cls,
-        routed_experts,
+        routed_experts: Any,
         model: nn.Module,
         *,
-        attention_mask=None,
+        attention_mask: Any = None,
         seq_lens: Sequence[int] | None = None,
         layer_axis: str = "auto",
     ) -> RoutingTrace:
@@ -440,6 +441,16 @@ class RoutingTrace:
             read.routes, num_experts=read.num_experts, top_k=read.top_k, num_hidden_layers=read.num_hidden_layers
         )
 
+    @overload
+    def to_routed_experts(
+        self, sequence: int, *, layer_axis: str = ..., dense_fill: int = ..., dtype: torch.dtype = ...
+    ) -> torch.Tensor: ...
+
+    @overload
+    def to_routed_experts(
+        self, sequence: None = None, *, layer_axis: str = ..., dense_fill: int = ..., dtype: torch.dtype = ...
+    ) -> list[torch.Tensor]: ...
+
     def to_routed_experts(
         self,
         sequence: int | None = None,
@@ -447,7 +458,7 @@ class RoutingTrace:
         layer_axis: str = "all",
         dense_fill: int = -1,
         dtype: torch.dtype = torch.int32,
-    ):
+    ) -> torch.Tensor | list[torch.Tensor]:
         """The trace in an inference engine's layout.
 
         Args:
@@ -480,7 +491,7 @@ class RoutingTrace:
         return out[0] if sequence is not None else out
 
     # -- files ----------------------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trace to a safetensors file (compact dtypes kept; metadata in the header).
 
         Tensors are named ``layers.{layer}.seq.{i}`` (ids) and ``layers.{layer}.seq.{i}.free`` (uint8 mask of
@@ -510,7 +521,7 @@ class RoutingTrace:
         save_file(tensors, os.fspath(path), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> RoutingTrace:
+    def load(cls, path: str | os.PathLike[str]) -> RoutingTrace:
         """Read a trace written by :meth:`save`.
 
         Raises:
@@ -536,11 +547,21 @@ class RoutingTrace:
         return trace
 
 
-def from_routed_experts(routed_experts, model: nn.Module, **kwargs) -> RoutingTrace:
+def from_routed_experts(routed_experts: Any, model: nn.Module, **kwargs: Any) -> RoutingTrace:
     """:meth:`RoutingTrace.from_routed_experts` as a function (same arguments, result and errors)."""
     return RoutingTrace.from_routed_experts(routed_experts, model, **kwargs)
 
 
-def to_routed_experts(trace: RoutingTrace, sequence: int | None = None, **kwargs):
+@overload
+def to_routed_experts(trace: RoutingTrace, sequence: int, **kwargs: Any) -> torch.Tensor: ...
+
+
+@overload
+def to_routed_experts(trace: RoutingTrace, sequence: None = None, **kwargs: Any) -> list[torch.Tensor]: ...
+
+
+def to_routed_experts(
+    trace: RoutingTrace, sequence: int | None = None, **kwargs: Any
+) -> torch.Tensor | list[torch.Tensor]:
     """:meth:`RoutingTrace.to_routed_experts` of ``trace`` as a function (same arguments, result and errors)."""
     return trace.to_routed_experts(sequence, **kwargs)
