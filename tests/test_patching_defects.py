@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import json
 import logging
 import os
 import re
@@ -45,6 +44,7 @@ from modelpatch import (
 )
 from modelpatch.errors import ModelpatchRuntimeError, ModelpatchTypeError
 from modelpatch.patching.scopes import active_scopes
+from test_remote_code import DoubledBlock, write_remote_repo
 
 
 class LlamaAttn(modeling_llama.LlamaAttention):
@@ -166,71 +166,8 @@ def test_classes_of_a_reloaded_modeling_module_are_replaced(caplog):
         vars(modeling_persimmon).update(saved)
 
 
-REMOTE_CONFIGURATION = """
-from transformers import PretrainedConfig
-
-class TinyRemoteConfig(PretrainedConfig):
-    model_type = "tiny_remote"
-
-    def __init__(self, hidden_size=16, num_blocks=2, **kwargs):
-        self.hidden_size = hidden_size
-        self.num_blocks = num_blocks
-        super().__init__(**kwargs)
-"""
-
-REMOTE_MODELING = """
-import torch.nn as nn
-from transformers import PreTrainedModel
-from .configuration_tiny_remote import TinyRemoteConfig
-
-class TinyRemoteBlock(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
-
-    def forward(self, x):
-        return self.proj(x)
-
-class TinyRemoteModel(PreTrainedModel):
-    config_class = TinyRemoteConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.blocks = nn.ModuleList(TinyRemoteBlock(config) for _ in range(config.num_blocks))
-        self.post_init()
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-"""
-
-
-class DoubledBlock(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
-
-    def forward(self, x):
-        return 2 * self.proj(x)
-
-
 def _remote_checkpoint(path):
-    (path / "configuration_tiny_remote.py").write_text(REMOTE_CONFIGURATION)
-    (path / "modeling_tiny_remote.py").write_text(REMOTE_MODELING)
-    (path / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "tiny_remote",
-                "hidden_size": 16,
-                "num_blocks": 2,
-                "auto_map": {
-                    "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
-                    "AutoModel": "modeling_tiny_remote.TinyRemoteModel",
-                },
-            }
-        )
-    )
+    write_remote_repo(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     AutoModel.from_config(config, trust_remote_code=True).save_pretrained(path)
 

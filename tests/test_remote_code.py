@@ -57,7 +57,7 @@ class DoubledBlock(nn.Module):
         return 2 * self.proj(x)
 
 
-def _write_repo(path):
+def write_remote_repo(path):
     (path / "configuration_tiny_remote.py").write_text(CONFIGURATION)
     (path / "modeling_tiny_remote.py").write_text(MODELING)
     (path / "config.json").write_text(
@@ -76,7 +76,7 @@ def _write_repo(path):
 
 
 def test_remote_code_class_is_replaced(tmp_path):
-    _write_repo(tmp_path)
+    write_remote_repo(tmp_path)
     config = AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)
     vanilla = AutoModel.from_config(config, trust_remote_code=True)
     assert [type(b).__name__ for b in vanilla.blocks] == ["TinyRemoteBlock"] * 2
