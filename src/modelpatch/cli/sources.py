@@ -79,7 +79,10 @@ def _import(source: str):
     if source.endswith(".py") or os.sep in source or "/" in source:
         if not os.path.isfile(source):
             raise CliError(f"patches file '{source}' does not exist")
-        name = f"modelpatch_patches_{uuid.uuid4().hex}"
+        stem = os.path.splitext(os.path.basename(source))[0]
+        # reports name the replacement classes as the user knows them (``my_patches.ScaledAttention``); a stem that
+        # is not an identifier or is taken by an imported module gets a unique suffix
+        name = stem if stem.isidentifier() and stem not in sys.modules else f"{stem}_{uuid.uuid4().hex[:8]}"
         spec = importlib.util.spec_from_file_location(name, source)
         if spec is None or spec.loader is None:
             raise CliError(f"patches file '{source}' cannot be imported as a Python module")
