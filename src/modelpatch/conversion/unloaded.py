@@ -1,7 +1,9 @@
 """After a load: parameters of replacement modules that the checkpoint did not provide.
 
 A replacement with a different parameter layout and no (or wrong) conversion rules loads "successfully":
-Transformers lists the keys as missing and initialises them at random, in a table that is easy to miss. For a
+Transformers lists the keys as missing, in a table that is easy to miss, and re-initialises only what the model's
+``_init_weights`` knows (standard layers): a replacement's own ``nn.Parameter``/buffers would keep uninitialised
+memory, so modelpatch gives them the values the replacement's ``__init__`` gives them, as ``from_config`` would. For a
 patched model that is almost always a missing rule, so modelpatch names the replaced modules concerned in a
 warning, and raises :class:`~modelpatch.conversion.errors.ConversionError` when a strict patch scope (or
 registry-wide strict mode) is in force, before the model is returned.
@@ -9,14 +11,22 @@ registry-wide strict mode) is in force, before the model is returned.
 
 from __future__ import annotations
 
+import contextvars
+from typing import Any
+
+import torch
+import torch.nn as nn
 from transformers.utils import logging
 
+from ..patching.interception import unhooked_init
 from ..patching.provenance import Replacement, provenance
+from ..patching.registry import is_strict_patching
+from ..patching.scopes import active_scopes
 from .errors import ConversionError
 
 logger = logging.get_logger("modelpatch")
 
-__all__ = ["check_replacements_loaded"]
+__all__ = ["check_replacements_loaded", "restore_pending_initial_values"]
 
 
 def _replaced_module_paths(model) -> dict[str, Replacement]:
@@ -52,14 +62,64 @@ def check_replacements_loaded(model, loading_info) -> None:
         f"{', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
         for path, keys in list(hits.items())[:6]
     ]
+    count = sum(len(k) for k in hits.values())
     message = (
-        f"modelpatch: {sum(len(k) for k in hits.values())} parameter(s) of {len(hits)} replacement module(s) were not "
-        "in the checkpoint (or did not fit) and are randomly initialised; the checkpoint layout needs conversion "
-        "rules for them:\n  " + "\n  ".join(lines)
+        f"modelpatch: {count} parameter(s) of {len(hits)} replacement module(s) were not in the checkpoint (or did "
+        "not fit); they hold the values the replacement's own __init__ gives them, standard layers re-initialised by "
+        "the model's _init_weights, as from_config builds them. If they should come from the checkpoint, its layout "
+        "needs conversion rules for them:\n  " + "\n  ".join(lines)
     )
-    from ..patching.registry import is_strict_patching
-    from ..patching.scopes import active_scopes
-
     if is_strict_patching() or any(scope.strict for scope in active_scopes()):
         raise ConversionError(message)
+    # the missing tensors are materialised after this hook: rebuild them once from_pretrained has finished
+    model.__dict__[_PENDING_ATTR] = [(path, replaced[path], names) for path, names in hits.items()]
     logger.warning(message)
+
+
+_PENDING_ATTR = "_modelpatch_pending_initial_values"
+
+
+def restore_pending_initial_values(model: nn.Module) -> None:
+    """Called when ``from_pretrained`` returns: give the replacement parameters the checkpoint did not provide the
+    values their ``__init__`` gives them (see :func:`_restore_initial_values`)."""
+    pending = model.__dict__.pop(_PENDING_ATTR, None)
+    for path, record, names in pending or ():
+        _restore_initial_values(model.get_submodule(path), record, names)
+
+
+def _restore_initial_values(module: nn.Module, record: Replacement, names: list[str]) -> None:
+    """Give ``names`` (parameters/buffers of ``module``, relative to it) the values a fresh replacement gets from its
+    own ``__init__``: ``from_pretrained`` allocates the module without running it on real memory, so a parameter the
+    checkpoint does not provide would otherwise hold whatever that memory held (values like 1e34). Standard layers
+    are then re-initialised by the model's ``_init_weights``, as Transformers does for every missing key.
+
+    The fresh module is built on the CPU in an empty context (no patch scope applies to what it builds), with the
+    arguments the replacement was built with; a replacement whose ``__init__`` cannot run again keeps the warning.
+    """
+    args, kwargs = record.arguments
+
+    def build() -> nn.Module:
+        cls: Any = record.replacement
+        fresh = cls.__new__(cls)
+        with torch.device("cpu"):
+            unhooked_init(record.replacement)(fresh, *args, **kwargs)
+        return fresh
+
+    try:
+        state = contextvars.Context().run(build).state_dict()
+    except Exception as exc:  # noqa: BLE001 - user code: keep the load, say why the values could not be rebuilt
+        logger.warning(f"modelpatch: could not rebuild the initial values of {record.replacement.__qualname__}: {exc}")
+        return
+    with torch.no_grad():
+        for name in names:
+            value = state.get(name)
+            try:
+                target: torch.Tensor = module.get_parameter(name)
+            except AttributeError:
+                try:
+                    target = module.get_buffer(name)
+                except AttributeError:
+                    continue
+            if value is None or target.device.type == "meta" or target.shape != value.shape:
+                continue
+            target.copy_(value.to(dtype=target.dtype))

@@ -20,10 +20,12 @@ import functools
 import threading
 from contextvars import ContextVar
 
+import torch.nn as nn
 from transformers.modeling_utils import PreTrainedModel
 
 from ..conversion import hooks as conversion_hooks
 from ..conversion.saving import bind_conversion_rules
+from ..conversion.unloaded import restore_pending_initial_values
 from ..outputs import install_registry_extension, patch_output_recorders
 from ..patching.provenance import BuildRecord, build_record, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
@@ -62,7 +64,12 @@ def _build_wrapper(name: str, original):
         token = _LOADING.set(name == "from_pretrained")
         try:
             with _RegistryBuild(f"{cls.__name__}.{label}"):
-                return original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
+                model = original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
+            if isinstance(model, nn.Module):  # output_loading_info=True returns a tuple
+                restore_pending_initial_values(model)
+            elif isinstance(model, tuple) and model and isinstance(model[0], nn.Module):
+                restore_pending_initial_values(model[0])
+            return model
         finally:
             _LOADING.reset(token)
 

@@ -28,11 +28,12 @@ import functools
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import Any
 
 from ..errors import ModelpatchTypeError
 from ..undo import UndoStack
 
-__all__ = ["install_hook", "uninstall_hook", "hooked_classes"]
+__all__ = ["install_hook", "uninstall_hook", "hooked_classes", "unhooked_init"]
 
 # Original classes whose replacement is being built in this context: a replacement may build the
 # original it wraps, which must then be the original.
@@ -42,7 +43,7 @@ _lock = threading.Lock()
 # target -> [refcount, UndoStack holding the hook's installation, target.__init__ before hooking]
 _hooks: dict[type, list] = {}
 
-Lookup = Callable[[type], "tuple[type, Callable[[object], None]] | None"]
+Lookup = Callable[[type], "tuple[type, Callable[[object, tuple[Any, ...], dict[str, Any]], None]] | None"]
 
 
 def _make_hook(target: type, lookup: Lookup, original_init):
@@ -61,7 +62,7 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                     ) from None
                 token = _BUILDING.set(_BUILDING.get() | {target})
                 try:
-                    _unhooked_init(replacement)(self, *args, **kwargs)
+                    unhooked_init(replacement)(self, *args, **kwargs)
                 except BaseException as exc:
                     if hasattr(exc, "add_note"):
                         exc.add_note(
@@ -72,7 +73,7 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                     raise
                 finally:
                     _BUILDING.reset(token)
-                on_built(self)
+                on_built(self, args, kwargs)
                 return
         original_init(self, *args, **kwargs)
 
@@ -80,7 +81,7 @@ def _make_hook(target: type, lookup: Lookup, original_init):
     return __init__
 
 
-def _unhooked_init(cls: type):
+def unhooked_init(cls: type):
     """``cls.__init__`` as defined, skipping a modelpatch hook on ``cls`` itself (a replacement that is
     also a target in some scope is built as itself, so swaps such as A -> B, B -> A work)."""
     entry = _hooks.get(cls)

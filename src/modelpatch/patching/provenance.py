@@ -47,6 +47,9 @@ class Replacement:
     original: type
     replacement: type
     key: str
+    arguments: tuple[tuple[Any, ...], dict[str, Any]] = field(default=((), {}), compare=False, repr=False)
+    """``(args, kwargs)`` the replacement was built with (the original's constructor arguments): what rebuilding
+    its initial values needs when a checkpoint does not provide some of its parameters."""
 
 
 @dataclass

@@ -62,7 +62,7 @@ def active_scopes() -> tuple[PatchScope, ...]:
     return tuple(s for s in _ACTIVE.get() if not s.closed)
 
 
-def _lookup(target: type) -> tuple[type, Callable[[object], None]] | None:
+def _lookup(target: type) -> tuple[type, Callable[[object, tuple[Any, ...], dict[str, Any]], None]] | None:
     """The hook's question: is ``target`` replaced for the caller? Returns (replacement, on_built)."""
     scopes = _ACTIVE.get()
     if not scopes:
@@ -163,9 +163,9 @@ class PatchScope:
             self.constructed.add(target)
             self.matched.update(keys)
 
-    def _recorder(self, original: type, rule: PatchRule) -> Callable[[object], None]:
-        def on_built(module: object) -> None:
-            set_provenance(module, Replacement(original, rule.replacement, rule.key))
+    def _recorder(self, original: type, rule: PatchRule) -> Callable[[object, tuple[Any, ...], dict[str, Any]], None]:
+        def on_built(module: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            set_provenance(module, Replacement(original, rule.replacement, rule.key, (args, dict(kwargs))))
             with _STATS_LOCK:
                 self.fired[rule.key] = self.fired.get(rule.key, 0) + 1
                 self.replaced_originals[original] = rule

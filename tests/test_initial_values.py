@@ -1,0 +1,41 @@
+"""A replacement's own parameters that the checkpoint does not provide keep the values its ``__init__`` gives them
+(``from_pretrained`` allocates without running ``__init__`` on real memory: they held values like 1e34)."""
+
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from helpers import save_tiny, tiny_llama_config
+from modelpatch import apply_patches
+
+
+class Gated(LlamaAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.gate = nn.Parameter(torch.full((1,), 3.0))
+        self.register_buffer("mult", torch.full((1,), 5.0))
+
+
+class Wrapped(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.inner = LlamaAttention(config, layer_idx)
+        self.scale = nn.Parameter(torch.full((4,), 7.0))
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_own_parameters_missing_from_the_checkpoint_get_their_init_values(tmp_path):
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    with apply_patches({"LlamaAttention": Gated}):
+        gated = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with apply_patches({"LlamaAttention": Wrapped}):
+        wrapped = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for layer in gated.model.layers:
+        assert layer.self_attn.gate.tolist() == [3.0] and layer.self_attn.mult.tolist() == [5.0]
+    for layer in wrapped.model.layers:
+        assert layer.self_attn.scale.tolist() == [7.0] * 4
+        assert torch.isfinite(layer.self_attn.inner.q_proj.weight).all()
+        assert layer.self_attn.inner.q_proj.weight.abs().max() < 1.0  # the model's init (std 0.02), not garbage
