@@ -10,7 +10,6 @@ conversion rules in force for the ``model_type`` (the recipe's and the built-in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 
 from .checkpoint import checkpoint_keys, model_class, read_config
 from .errors import CliError
-from .render import plain, section, table
+from .render import plain, section, strict_json, table
 from .sources import resolve_patches
 
 __all__ = ["add_parser", "main", "explain"]
@@ -146,6 +145,6 @@ def add_parser(subparsers) -> None:
 def main(args: argparse.Namespace) -> int:
     recipe = resolve_patches(args.recipe, args.patches)
     report = explain(recipe, model_dir=args.model, model_type=args.model_type)
-    print(json.dumps(report, indent=2) if args.json else render(report))
+    print(strict_json(report) if args.json else render(report))
     ok = all(report["replaced"].get(k) for k in recipe.patch_mapping) and not report["conflicts"]
     return 0 if ok else 1

@@ -32,3 +32,21 @@ def table(headers: list[str], rows: list[list[object]], indent: str = "  ") -> s
 
 def section(title: str, body: str = "") -> str:
     return f"\n== {title}\n{body}" if body else f"\n== {title}"
+
+
+def strict_json(document: object) -> str:
+    """``document`` as JSON that strict parsers read: non-finite floats (a NaN max abs diff of a broken patch)
+    become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` instead of the bare tokens ``json`` writes."""
+    import json
+    import math
+
+    def clean(value: object) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
+            return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(document), indent=2, allow_nan=False)

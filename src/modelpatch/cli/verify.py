@@ -19,7 +19,6 @@ failed checks: the reference load would leave parameters random there (:func:`co
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import tempfile
 import time
@@ -34,7 +33,7 @@ from .checkpoint import checkpoint_dir, checkpoint_keys, example_checkpoint, mod
 from .errors import EXIT_FAILED_CHECK, CliError
 from .inputs import model_inputs, model_output
 from .provenance import ParamSource, first_difference, parameter_provenance
-from .render import plain, section, table
+from .render import plain, section, strict_json, table
 from .sources import resolve_patches
 
 __all__ = ["Check", "VerifyResult", "run_verify", "converted_layout_error", "add_parser", "DTYPES"]
@@ -422,5 +421,5 @@ def main(args: argparse.Namespace) -> int:
         progress=False if args.no_progress else None,
         source_args=source_args,
     )
-    print(json.dumps(result.as_dict(), indent=2) if args.json else render(result))
+    print(strict_json(result.as_dict()) if args.json else render(result))
     return 0 if result.ok else EXIT_FAILED_CHECK

@@ -453,7 +453,7 @@ def _hint(key: str, built: set[str]) -> str:
             f"; {key!r} is an exact class name: to match the classes {where} whose names contain it ({shown}), "
             f"write '.*{key}'"
         )
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+    close = [name for name in difflib.get_close_matches(key, names, n=2, cutoff=0.8) if name != key]
     return f"; {key!r}: did you mean {close[0]!r}?" if close else ""
 
 

@@ -8,12 +8,14 @@ error) or for the process (``recipe.register()`` / ``recipe.unregister()``). Two
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import ModelpatchValueError
+from ..errors import ModelpatchTypeError, ModelpatchValueError
 
 if TYPE_CHECKING:
     from transformers.core_model_loading import WeightTransform
@@ -41,6 +43,10 @@ class RuleSpec:
         return list(self.factory())
 
 
+def _copies(rules: tuple[WeightTransform, ...]) -> list[WeightTransform]:
+    return [copy.deepcopy(rule) for rule in rules]
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A ready-made patch: ``{class name or pattern: replacement class}`` plus conversion rules.
@@ -49,7 +55,8 @@ class Recipe:
         name: registry name (``"llama-fused-qkv"``).
         description: one line for ``list_recipes()`` / ``modelpatch explain``.
         patch_mapping: keys and replacement classes, as given to :func:`modelpatch.apply_patches`.
-        conversion: ``{model_type or class name: RuleSpec}``.
+        conversion: ``{model_type or class name: RuleSpec}``; a plain list of rules is accepted for a name and
+            becomes a :class:`RuleSpec` handing out deep copies of them (``overwrite=False``).
         model_types: the ``model_type`` values the recipe is written for (informative, used by the CLI to pick
             a demo config).
     """
@@ -59,6 +66,25 @@ class Recipe:
     patch_mapping: Mapping[str, type]
     conversion: Mapping[str, RuleSpec] = field(default_factory=dict)
     model_types: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.conversion, Mapping):
+            raise ModelpatchTypeError(
+                f"Recipe {self.name!r}: conversion must be a dict {{model_type or class name: RuleSpec or [rules]}}, "
+                f"got {type(self.conversion).__name__}"
+            )
+        specs: dict[str, RuleSpec] = {}
+        for name, spec in self.conversion.items():
+            if isinstance(spec, RuleSpec):
+                specs[name] = spec
+            elif isinstance(spec, Sequence) and not isinstance(spec, (str, bytes)):
+                specs[name] = RuleSpec(functools.partial(_copies, tuple(spec)))
+            else:
+                raise ModelpatchTypeError(
+                    f"Recipe {self.name!r}: conversion[{name!r}] must be a RuleSpec or a list of WeightConverter / "
+                    f"WeightRenaming, got {type(spec).__name__}"
+                )
+        object.__setattr__(self, "conversion", specs)
 
     def build_conversion_rules(self) -> dict[str, list[WeightTransform]]:
         """Fresh rules per registry name: ``{name: [WeightConverter | WeightRenaming, ...]}``."""
