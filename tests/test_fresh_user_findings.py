@@ -67,3 +67,20 @@ def test_hint_never_suggests_the_key_itself(caplog):
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "['Linear'] matched no class" in text  # the warning is there ...
     assert "did you mean 'Linear'" not in text  # ... without suggesting the key itself
+
+
+def test_bad_chunk_sizes_and_a_truncated_trace_file_raise_modelpatch_errors(tmp_path):
+    from modelpatch import Chunk
+    from modelpatch.errors import ModelpatchError, ModelpatchValueError
+    from modelpatch.routing import RoutingTrace, RoutingTraceError
+
+    with pytest.raises(ModelpatchValueError, match=r"Chunk\(sizes='x'\)"):
+        Chunk(dim=0, sizes="x")
+    with pytest.raises(ModelpatchValueError, match="non-negative"):
+        Chunk(dim=0, sizes=[64, -1])
+    assert Chunk(dim=0, sizes=(64, 32, 32)).sizes == [64, 32, 32]
+    truncated = tmp_path / "trace.safetensors"
+    truncated.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(RoutingTraceError, match="cannot read a routing trace") as caught:
+        RoutingTrace.load(truncated)
+    assert isinstance(caught.value, ModelpatchError)

@@ -13,12 +13,13 @@ for any dtype, and they also run on ``meta`` tensors (used to check shapes befor
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import core_model_loading as _tcml
 
-from ..errors import ModelpatchTypeError
+from ..errors import ModelpatchTypeError, ModelpatchValueError
 from .errors import ConversionError
 
 __all__ = [
@@ -43,6 +44,24 @@ def _single_tensor(input_dict: dict, op: str) -> torch.Tensor:
     return tensors
 
 
+def _piece_sizes(sizes: object) -> list[int]:
+    """``sizes`` as a list of non-negative ints (Python or NumPy/torch integers).
+
+    Raises:
+        ModelpatchValueError: ``sizes`` is a string, not iterable, or holds something else than non-negative ints.
+    """
+    try:
+        if isinstance(sizes, (str, bytes)):
+            raise TypeError
+        values = [operator.index(s) for s in sizes]  # type: ignore[attr-defined]
+    except TypeError:
+        values = []
+    else:
+        if all(v >= 0 for v in values):
+            return values
+    raise ModelpatchValueError(f"Chunk(sizes={sizes!r}): sizes must be a list of non-negative ints, e.g. [64, 32, 32]")
+
+
 class Chunk(_tcml.ConversionOps):
     """Split one tensor along ``dim`` into one piece per target pattern.
 
@@ -62,7 +81,7 @@ class Chunk(_tcml.ConversionOps):
 
     def __init__(self, dim: int = 0, sizes: Sequence[int] | None = None):
         self.dim = dim
-        self.sizes = None if sizes is None else [int(s) for s in sizes]
+        self.sizes = None if sizes is None else _piece_sizes(sizes)
 
     def __repr__(self):
         return f"Chunk(dim={self.dim}" + ("" if self.sizes is None else f", sizes={self.sizes}") + ")"

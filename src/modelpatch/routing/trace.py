@@ -529,11 +529,16 @@ class RoutingTrace:
         """
         from safetensors import safe_open
 
-        with safe_open(os.fspath(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != _FORMAT:
-                raise RoutingTraceError(f"{path}: expected format {_FORMAT!r}, received {meta.get('format')!r}")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        try:
+            with safe_open(os.fspath(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != _FORMAT:
+                    raise RoutingTraceError(f"{path}: expected format {_FORMAT!r}, received {meta.get('format')!r}")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except RoutingTraceError:
+            raise
+        except Exception as exc:  # safetensors' own errors (truncated or not a safetensors file), OSError
+            raise RoutingTraceError(f"{path}: cannot read a routing trace: {exc}") from exc
         num_experts = {int(k): v for k, v in json.loads(meta["num_experts"]).items()}
         top_k = {int(k): v for k, v in json.loads(meta["top_k"]).items()}
         trace = cls({}, num_experts=num_experts, top_k=top_k, num_hidden_layers=json.loads(meta["num_hidden_layers"]))
