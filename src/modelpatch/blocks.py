@@ -13,8 +13,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from .conversion.registry import apply_conversion_rules as _conversion_rules
-from .conversion.registry import scoped_rulesets
+from .conversion.registry import rulesets_in_force, scoped_rulesets
 from .errors import ModelpatchValueError
 from .patching.registry import build_patch_mapping, registered_patch_mapping
 from .patching.scopes import PatchScope
@@ -63,9 +62,9 @@ def apply_patches(
     resolved = registered_patch_mapping() if mapping is None else build_patch_mapping(mapping)
     companions: tuple[Callable[[], AbstractContextManager[object]], ...] = ()
     if conversion_rules is not None:
-        scoped_rulesets(conversion_rules, overwrite=overwrite, strict=strict)  # validate now, not at entry
-        if conversion_rules:
-            companions = (functools.partial(_conversion_rules, conversion_rules, overwrite=overwrite, strict=strict),)
+        rulesets = scoped_rulesets(conversion_rules, overwrite=overwrite, strict=strict)  # validated once, here
+        if rulesets:
+            companions = (functools.partial(rulesets_in_force, rulesets),)
     elif overwrite:
         raise ModelpatchValueError("apply_patches(overwrite=...) applies to conversion_rules, and none were given")
     return PatchScope(resolved, explicit=True, strict=strict, companions=companions)

@@ -239,7 +239,18 @@ def apply_conversion_rules(
             instance (nothing is entered).
         ValueError: ``overwrite`` names a name that is not in ``mapping``.
     """
-    scope = scoped_rulesets(mapping, overwrite=overwrite, strict=strict)
+    with rulesets_in_force(scoped_rulesets(mapping, overwrite=overwrite, strict=strict)):
+        yield
+
+
+@contextmanager
+def rulesets_in_force(scope: Mapping[str, RuleSet]) -> Iterator[None]:
+    """Put already validated rule sets (see :func:`scoped_rulesets`) in force for the block, in the current
+    context only; what :func:`apply_conversion_rules` and ``apply_patches(conversion_rules=...)`` both enter.
+
+    Raises:
+        ModelpatchRuntimeError: the conversion hooks are uninstalled (see :func:`require_hooks`).
+    """
     require_hooks()
     token = _scoped.set(_scoped.get() + (scope,))
     try:
