@@ -131,7 +131,8 @@ def main(args: argparse.Namespace) -> int:
     )
     from .checkpoint import checkpoint_dir, model_class, read_config
 
-    cls: Any = model_class(read_config(checkpoint_dir(args.model)))  # one-line errors for a folder that is no checkpoint
+    # one-line errors for a folder that is not a checkpoint
+    cls: Any = model_class(read_config(checkpoint_dir(args.model)))
     routes, stored = _routes(args)
     ids, mask = _inputs(args, stored)
     if args.recipe:
