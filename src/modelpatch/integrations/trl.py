@@ -128,7 +128,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
             trace = RoutingTrace.from_routed_experts(list(arrays), model, seq_lens=lengths)
         else:
-            with record_routing(self.model) as trace:
+            with record_routing(self.accelerator.unwrap_model(self.model)) as trace:
                 result = super()._generate(prompts)
             prompt_ids, completion_ids = result[0], result[1]
         self._replay_samples = _samples_from_trace(trace, prompt_ids, completion_ids)
@@ -201,7 +201,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         with torch.no_grad(), record_routing(model) as natural:
             model(input_ids=input_ids, attention_mask=attention_mask)
         agreement = compare_routing(rollout, natural)
-        mode = "train" if self.model.training else "eval"
+        mode = "train" if model.training else "eval"
         self._metrics[mode]["routing/router_disagreement"].append(agreement.router_disagreement_rate)
         self._metrics[mode]["routing/token_flip_rate"].append(agreement.token_flip_rate)
         self._metrics[mode]["routing/topk_overlap"].append(agreement.mean_topk_overlap)
