@@ -51,10 +51,8 @@ import torch.nn as nn
 from transformers import core_model_loading as _tcml
 from transformers.utils import logging
 
-from ..conversion.overlap import has_target_layout
-from ..conversion.state import get_state
+from ..conversion.compose import built_by_modelpatch, transforms_in_force
 from ..conversion.wrappers import register_wrapper_view, unwrapped_names, wrapper_bases
-from ..patching.provenance import build_record
 from ..undo import UndoStack
 
 __all__ = ["install", "uninstall", "installed", "TARGET_MODULE", "builtin_converters_in_force", "peft_wrapper_bases"]
@@ -69,29 +67,16 @@ _originals: dict = {}
 _view = UndoStack()
 
 
-# -- which model is modelpatch's, and which built-in rules are in force -------------------------------------------
-def _is_patched(model) -> bool:
-    """Whether modelpatch built or loaded ``model`` (rules bound, or built inside a patch block), itself or a
-    sub-model."""
-    if not isinstance(model, nn.Module):
-        return False
-    return any(get_state(m) is not None or build_record(m) is not None for m in model.modules())
-
-
+# -- which built-in rules are in force -----------------------------------------------------------------------------
 def builtin_converters_in_force(model, transforms) -> list:
     """``transforms`` (Transformers' rules for ``model``) without the ``WeightConverter`` s whose target layout the
-    model does not have (seen through PEFT's wrappers, see :func:`peft_wrapper_bases`). Renamings are kept."""
-    converters = [t for t in transforms if isinstance(t, _tcml.WeightConverter)]
-    if not converters:
-        return list(transforms)
-    names = unwrapped_names(model.state_dict(), wrapper_bases(model))
-    absent = {id(c) for c in converters if not has_target_layout(c, names)}
-    return [t for t in transforms if id(t) not in absent]
+    model does not have, seen through PEFT's wrappers (:func:`peft_wrapper_bases`). Renamings are kept."""
+    return transforms_in_force(transforms, unwrapped_names(model.state_dict(), wrapper_bases(model)))
 
 
 def _peft_transforms(model, original, *args, **kwargs) -> list:
     transforms = original(model, *args, **kwargs)
-    if not _is_patched(model):
+    if not built_by_modelpatch(model):
         return transforms
     return builtin_converters_in_force(model, transforms)
 
@@ -106,7 +91,7 @@ def _convert_peft_config_for_transformers(peft_config, model, conversions=None):
     """PEFT's config conversion, skipped for a patched model on which no built-in converter is in force (its
     experts are per-expert modules: the targets name them as they are)."""
     original = _originals["convert_peft_config_for_transformers"]
-    if _is_patched(model):
+    if built_by_modelpatch(model):
         transforms = _originals["get_model_conversion_mapping"](model)
         converters = [t for t in transforms if isinstance(t, _tcml.WeightConverter)]
         if converters and not any(
