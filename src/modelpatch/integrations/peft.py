@@ -87,19 +87,29 @@ def _get_model_conversion_mapping(model, *args, **kwargs):
     return _peft_transforms(model, _originals["get_model_conversion_mapping"], *args, **kwargs)
 
 
+def _expert_fusions(transforms) -> list:
+    """The converters PEFT's adapter conversion knows: a single target ending in ``gate_up_proj`` or ``down_proj``
+    (as in ``build_peft_weight_mapping``), i.e. Transformers' fusion of MoE experts."""
+    return [
+        t
+        for t in transforms
+        if isinstance(t, _tcml.WeightConverter)
+        and len(t.target_patterns) == 1
+        and t.target_patterns[0].endswith(("gate_up_proj", "down_proj"))
+    ]
+
+
 def _convert_peft_config_for_transformers(peft_config, model, conversions=None):
-    """PEFT's config conversion, skipped for a patched model on which no built-in converter is in force (its
-    experts are per-expert modules: the targets name them as they are)."""
+    """PEFT's config conversion (targets of per-expert modules rewritten into the fused expert parameters), skipped
+    for a model modelpatch built on which no expert fusion of Transformers is in force: its experts are per-expert
+    modules, which the targets name as they are."""
     original = _originals["convert_peft_config_for_transformers"]
     if built_by_modelpatch(model):
         transforms = _originals["get_model_conversion_mapping"](model)
-        converters = [t for t in transforms if isinstance(t, _tcml.WeightConverter)]
-        if converters and not any(
-            isinstance(t, _tcml.WeightConverter) for t in builtin_converters_in_force(model, transforms)
-        ):
+        if _expert_fusions(transforms) and not _expert_fusions(builtin_converters_in_force(model, transforms)):
             logger.info(
-                f"modelpatch: {type(model).__name__} has none of the fused layouts of Transformers' built-in rules "
-                "(e.g. per-expert nn.Linear experts); PEFT's target rewriting for them is skipped"
+                f"modelpatch: {type(model).__name__} does not have the fused experts of Transformers' built-in rules "
+                "(per-expert modules); PEFT's rewriting of expert targets into fused parameters is skipped"
             )
             return None
     return original(peft_config, model, conversions)
