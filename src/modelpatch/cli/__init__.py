@@ -1,4 +1,4 @@
-"""The ``modelpatch`` console script: ``verify``, ``explain``, ``convert``, ``recipes``.
+"""The ``modelpatch`` console script: ``verify``, ``explain``, ``convert``, ``routing-check``, ``recipes``.
 
 ``main(argv=None) -> int`` parses ``argv`` (default ``sys.argv[1:]``), runs one subcommand and returns its exit
 status: 0 when every check passed, 1 when a check failed (:data:`~.errors.EXIT_FAILED_CHECK`), 2 for a usage error,
@@ -16,6 +16,7 @@ Modules: the subcommands (each exposes ``add_parser(subparsers)`` and ``main(arg
 ``verify``      patched load vs unpatched reference: patches, loading, provenance, outputs, round trip
 ``explain``     dry run on the meta device: what would be replaced and converted, no weight read
 ``convert``     :func:`~modelpatch.convert_checkpoint` from the command line
+``routing_check`` an engine's MoE routes vs the model's own routing (R3's measures), replayed, ``--plot``
 ``sources``     where the patches come from: ``--recipe``, ``--patches FILE|MODULE`` (defined or registered)
 ``sandbox``     every command runs with nothing registered process-wide in force, and restores it afterwards
 ``checkpoint``  reading a checkpoint folder (config, safetensors headers, index) with one-line errors
@@ -34,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from . import convert, explain, verify
+from . import convert, explain, routing_check, verify
 from .errors import EXIT_USAGE, CliError
 from .sandbox import CommandSandbox
 
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_parser(subparsers)
     explain.add_parser(subparsers)
     convert.add_parser(subparsers)
+    routing_check.add_parser(subparsers)
     recipes = subparsers.add_parser("recipes", help="list the ready-made recipes")
     recipes.set_defaults(handler=_list_recipes)
     return parser

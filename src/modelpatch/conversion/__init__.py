@@ -21,6 +21,7 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``unloaded``  replacement parameters the checkpoint did not provide
 ``report``    :func:`conversion_report`
 ``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
+``statedict`` ``model.load_state_dict`` in both layouts (hooks on every model that carries conversion state)
 ``hooks``     the only wrappers of Transformers functions (installed by :mod:`modelpatch.integrations`)
 """
 
@@ -39,6 +40,7 @@ from .registry import (
 from .report import conversion_report
 from .rules import WeightConverter, WeightRenaming
 from .saving import bind_conversion_rules
+from .statedict import has_state_dict_hooks  # registers the state listener that installs the hooks
 
 __all__ = [
     "Chunk",
@@ -57,6 +59,7 @@ __all__ = [
     "apply_conversion_rules",
     "convert_checkpoint",
     "get_checkpoint_conversion_mapping",
+    "has_state_dict_hooks",
     "load_converted_state_dict",
     "register_checkpoint_conversion_mapping",
     "unregister_checkpoint_conversion_mapping",

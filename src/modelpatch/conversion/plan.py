@@ -290,7 +290,12 @@ class Plan:
 
 
 def build_plan(
-    items, rules: list, reverse: bool = False, key_renamings=(), keep_unconverted_keys: bool = False
+    items,
+    rules: list,
+    reverse: bool = False,
+    key_renamings=(),
+    keep_unconverted_keys: bool = False,
+    incomplete: list | None = None,
 ) -> Plan:
     """Group ``(key, tensor_like)`` pairs by rule.
 
@@ -302,6 +307,9 @@ def build_plan(
     rules match, as Transformers applies its renamings before its converters, so converted keys come out in the
     model's namespace. With ``keep_unconverted_keys`` a key no rule touches stays under its checkpoint name (for
     ``from_pretrained``, which renames it itself exactly as in a vanilla load).
+
+    ``incomplete``: a list that receives, instead of an error, the groups missing a source or with module lists of
+    different lengths (their source keys stay out of the plan): a state dict loaded in parts (one shard at a time).
 
     Raises:
         ConversionError: a many-to-one group misses one of its sources, or the module lists of a group have
@@ -347,15 +355,18 @@ def build_plan(
     natural = _tcml.dot_natural_key  # experts.10 after experts.9; only the keys a rule took are sorted
     groups = dict(sorted(groups.items(), key=lambda kv: natural(kv[0])))
     renamed.sort(key=lambda row: natural(row[1]))
-    for group in groups.values():
+    for key, group in list(groups.items()):
         patterns = group.rule.source_patterns
         missing = [p for p in patterns if p not in group.sources]
+        lengths = {p: len(v) for p, v in group.sources.items()}
+        if incomplete is not None and (missing or len(set(lengths.values())) > 1):
+            incomplete.append(groups.pop(key))
+            continue
         if missing:
             raise ConversionError(
                 f"{group.rule!r}: '{group.key}' is missing source(s) {missing}; found only {list(group.source_keys())}"
             )
         group.sources = {p: sorted(group.sources[p], key=lambda kv: natural(kv[0])) for p in patterns}
-        lengths = {p: len(v) for p, v in group.sources.items()}
         if len(set(lengths.values())) > 1:
             raise ConversionError(f"{group.rule!r}: '{group.key}' has module lists of different lengths {lengths}")
     return Plan(groups, passthrough, renamed, fired, reverse, renamings)

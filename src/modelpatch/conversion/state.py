@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["ConversionState", "STATE_ATTR", "get_state", "set_state"]
+__all__ = ["ConversionState", "STATE_ATTR", "get_state", "set_state", "add_state_listener"]
 
 STATE_ATTR = "_modelpatch_conversion"
 
@@ -26,6 +28,22 @@ def get_state(model) -> ConversionState | None:
     return getattr(model, STATE_ATTR, None)
 
 
-def set_state(model, state: ConversionState) -> None:
-    """Attach ``state`` to ``model``; ``save_pretrained`` reverses it through :mod:`.hooks` (installed on import)."""
-    object.__setattr__(model, STATE_ATTR, state)
+_listeners: list[Callable[[Any, ConversionState | None], None]] = []
+
+
+def add_state_listener(listener: Callable[[Any, ConversionState | None], None]) -> None:
+    """Call ``listener(model, state)`` whenever :func:`set_state` runs (modules above this one plug in here, e.g.
+    :mod:`.statedict` installs its ``load_state_dict`` hooks on the model)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def set_state(model, state: ConversionState | None) -> None:
+    """Attach ``state`` to ``model`` (``None``: detach it); ``save_pretrained`` reverses it through :mod:`.hooks`
+    (installed on import)."""
+    if state is None:
+        model.__dict__.pop(STATE_ATTR, None)
+    else:
+        object.__setattr__(model, STATE_ATTR, state)
+    for listener in _listeners:
+        listener(model, state)

@@ -11,6 +11,8 @@
 Modules, top-down: each imports only modules listed below it (none imports one above, not even inside a
 function).
 
+- ``agreement`` — routing drift (R3's measures): :func:`compare_routing` of two traces of the same tokens,
+  :func:`routing_drift` of a model against a trace, :class:`RoutingAgreement`.
 - ``session`` — the two context managers; the record session, the replay session and the generate guard over
   their shared driver, which patches router instances for the length of a block through an ``UndoStack``.
 - ``trace`` — :class:`RoutingTrace`: compact storage, public reading/appending methods, safetensors files, and
@@ -23,6 +25,7 @@ function).
 - ``errors`` — the routing exceptions, all :class:`modelpatch.errors.ModelpatchError`.
 """
 
+from .agreement import LayerAgreement, RoutingAgreement, compare_routing, routing_drift
 from .errors import RouterContractError, RoutingDiscoveryError, RoutingReplayError, RoutingTraceError
 from .kinds import FAMILY_KINDS, kind_for_family
 from .session import record_routing, replay_routing
@@ -43,4 +46,8 @@ __all__ = [
     "to_routed_experts",
     "FAMILY_KINDS",
     "kind_for_family",
+    "compare_routing",
+    "routing_drift",
+    "RoutingAgreement",
+    "LayerAgreement",
 ]

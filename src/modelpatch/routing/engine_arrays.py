@@ -34,7 +34,13 @@ from ..errors import ModelpatchValueError
 from .errors import RoutingTraceError
 from .sites import find_router_sites
 
-__all__ = ["EngineRoutes", "split_sequences", "routes_from_engine_arrays", "engine_arrays_from_routes"]
+__all__ = [
+    "EngineRoutes",
+    "split_sequences",
+    "routes_from_engine_arrays",
+    "validate_engine_routes",
+    "engine_arrays_from_routes",
+]
 
 _FORMS = (
     "one sequence (seq_len, num_layers, top_k), a padded batch (batch, seq_len, num_layers, top_k), or a "
@@ -171,11 +177,19 @@ def routes_from_engine_arrays(
     attention_mask=None,
     seq_lens: Sequence[int] | None = None,
     layer_axis: str = "auto",
+    validate: bool = True,
 ) -> EngineRoutes:
     """Per-layer routes of inference-engine arrays, checked against ``model``'s routers.
 
     Arguments as :meth:`modelpatch.routing.RoutingTrace.from_routed_experts`, which builds the trace from the
     result. Ids are not range-checked here (the trace's constructor does that).
+
+    Engines have returned broken routes (all-zero rows where they recorded nothing: prompt tokens served from the
+    prefix cache, preempted requests), so each array is validated (:func:`validate_engine_routes`): an id
+    ``>= num_experts``, ids repeated within a row (a zero-filled row with ``top_k >= 2``), leading prompt rows
+    that are zero in every MoE layer, and (``layer_axis="auto"``) dense-layer slices holding routes, which means
+    the layer axis cannot be told apart, each raise :class:`RoutingTraceError` naming layer, sequence, row and
+    values. ``validate=False`` turns the failing rows into ``-1`` (routed naturally on replay) instead.
 
     Returns:
         :class:`EngineRoutes`: routes ``{layer_idx: [LongTensor (num_tokens, top_k) per sequence]}`` of every
@@ -195,6 +209,7 @@ def routes_from_engine_arrays(
     if len(n_axes) > 1:
         raise RoutingTraceError(f"sequences disagree on the layer axis length: {sorted(n_axes)}")
     n_axis = n_axes.pop() if n_axes else len(moe_layers)
+    auto = layer_axis == "auto"
     if layer_axis == "auto":
         if n_axis == num_hidden:
             layer_axis = "all"
@@ -210,6 +225,17 @@ def routes_from_engine_arrays(
         raise ModelpatchValueError(f"layer_axis must be 'auto', 'all' or 'moe', received {layer_axis!r}")
     if n_axis != expected:
         raise RoutingTraceError(f"layer axis ({layer_axis!r}): expected {expected} layers, received {n_axis}")
+    dense = [layer for layer in range(num_hidden) if layer not in moe_layers]
+    if validate and auto and layer_axis == "all" and dense:
+        for i, a in enumerate(arrays):
+            held = a[:, dense, :]
+            if bool(((held != 0) & (held != -1)).any()):
+                row, col, _ = (int(v) for v in ((held != 0) & (held != -1)).nonzero()[0])
+                raise RoutingTraceError(
+                    f"layer axis is ambiguous: sequence {i}, row {row} holds routes {a[row, dense[col]].tolist()} in "
+                    f"dense layer {dense[col]}, where an all-layers array (vLLM) holds zeros; pass "
+                    f"layer_axis='all' or 'moe' (MoE layers {moe_layers})"
+                )
     if seq_lens is not None and len(seq_lens) != len(arrays):
         raise RoutingTraceError(f"seq_lens: expected {len(arrays)} lengths, received {len(seq_lens)}")
 
@@ -232,14 +258,80 @@ def routes_from_engine_arrays(
                         f"layer {site.layer_idx}, sequence {i}: expected {want} or {want - 1} rows, received "
                         f"{rows.shape[0]}"
                     )
-            per_seq.append(rows)
+            per_seq.append(rows.clone())
         routes[site.layer_idx] = per_seq
+    sizes = {s.layer_idx: s.num_experts for s in sites}
+    validate_engine_routes(routes, sizes, fix=not validate)
     return EngineRoutes(
         routes,
         {s.layer_idx: s.num_experts for s in sites},
         {s.layer_idx: s.top_k for s in sites},
         num_hidden,
     )
+
+
+def validate_engine_routes(routes: dict[int, list[torch.Tensor]], num_experts: dict[int, int], *, fix: bool) -> int:
+    """Check engine routes ``{layer_idx: [LongTensor (num_tokens, top_k) per sequence]}`` in place.
+
+    A row fails when it holds an id ``>= num_experts`` or ``< -1``, repeats an id (``[0, 0]``: a zero-filled row
+    with ``top_k >= 2``), or, among the leading rows of a sequence, is zero in every MoE layer for two rows or more
+    (``top_k == 1``: engines return zeros for prompt tokens they did not route; two leading all-zero rows in
+    every layer of a model with two MoE layers or more are not a routing). ``-1`` rows (no route) pass.
+
+    Returns:
+        the number of rows set to ``-1`` (``fix=True``).
+
+    Raises:
+        RoutingTraceError: (``fix=False``) the first failing row, naming layer, sequence, row and values.
+    """
+    fixed = 0
+
+    def fail(layer: int, seq: int, row: int, why: str) -> None:
+        nonlocal fixed
+        if not fix:
+            values = routes[layer][seq][row].tolist()
+            raise RoutingTraceError(f"layer {layer}, sequence {seq}, row {row}: {why}, received {values}")
+        routes[layer][seq][row] = -1
+        fixed += 1
+
+    layers = sorted(routes)
+    for layer in layers:
+        for seq, rows in enumerate(routes[layer]):
+            if not rows.numel():
+                continue
+            bad = (rows >= num_experts[layer]) | (rows < -1)
+            for row in bad.any(dim=1).nonzero()[:, 0].tolist():
+                fail(layer, seq, row, f"expert ids must be in [0, {num_experts[layer]}) or -1")
+            if rows.shape[1] > 1:
+                ordered = rows.sort(dim=1).values
+                repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
+                for row in repeated.nonzero()[:, 0].tolist():
+                    fail(
+                        layer,
+                        seq,
+                        row,
+                        "expert ids repeated within a row (a zero-filled row: the engine recorded no route here; "
+                        "prefix-cached prompt tokens?)",
+                    )
+    if len(layers) >= 2 and all(routes[layer] and routes[layer][0].shape[1] == 1 for layer in layers):
+        for seq in range(len(routes[layers[0]])):
+            zero = torch.stack([(routes[layer][seq] == 0).all(dim=1) for layer in layers]).all(dim=0)
+            leading = int(zero.long().cumprod(0).sum())
+            if leading >= 2:
+                for row in range(leading):
+                    for layer in layers:
+                        if fix:
+                            routes[layer][seq][row] = -1
+                    if not fix:
+                        fail(
+                            layers[0],
+                            seq,
+                            row,
+                            f"the first {leading} rows are expert 0 in every MoE layer (zeros where the engine "
+                            "recorded no route: prefix-cached prompt tokens?)",
+                        )
+                    fixed += 1
+    return fixed
 
 
 def engine_arrays_from_routes(

@@ -396,6 +396,7 @@ class RoutingTrace:
         attention_mask: Any = None,
         seq_lens: Sequence[int] | None = None,
         layer_axis: str = "auto",
+        validate: bool = True,
     ) -> RoutingTrace:
         """Build a trace from inference-engine arrays.
 
@@ -419,6 +420,8 @@ class RoutingTrace:
             layer_axis: ``"all"`` (one slice per hidden layer; dense layers' slices are ignored, so vLLM's zeros
                 there are never read as expert 0), ``"moe"`` (one slice per MoE layer, in layer order) or
                 ``"auto"`` (detected from the axis length, which must then match one of the two).
+            validate: check the engine's rows (see below); ``False`` makes failing rows ``-1`` (no route: the live
+                router chooses on replay) instead of raising.
 
         Returns:
             :class:`RoutingTrace` with ``num_hidden_layers`` set from the model; int64 routes
@@ -428,14 +431,22 @@ class RoutingTrace:
             RoutingTraceError: a rank other than those above (the message names the shape received and the
                 forms accepted), a ragged nested list, ``attention_mask`` with a list of per-sequence arrays or
                 of the wrong shape, a layer axis matching neither the model's hidden layers nor its MoE layers,
-                a top-k axis different from the routers', an id ``>= num_experts`` or ``< -1``, or a row count
-                other than ``seq_len`` / ``seq_len - 1``. Messages name the layer (and sequence), the expected
-                and the received shape or range.
+                a top-k axis different from the routers', or a row count other than ``seq_len`` /
+                ``seq_len - 1``; and (``validate=True``) a row with an id ``>= num_experts`` or ``< -1``, ids
+                repeated within a row (a zero-filled row with ``top_k >= 2``: vLLM and other engines have
+                returned all-zero routes), leading prompt rows that are zero in every MoE layer, or, with
+                ``layer_axis="auto"``, dense-layer slices holding routes (the layer axis is ambiguous). Messages
+                name the layer, sequence and row, and the values received.
             ModelpatchValueError: ``layer_axis`` not ``"auto"``, ``"all"`` or ``"moe"``.
             RoutingDiscoveryError: ``model`` has no top-k router.
         """
         read = routes_from_engine_arrays(
-            routed_experts, model, attention_mask=attention_mask, seq_lens=seq_lens, layer_axis=layer_axis
+            routed_experts,
+            model,
+            attention_mask=attention_mask,
+            seq_lens=seq_lens,
+            layer_axis=layer_axis,
+            validate=validate,
         )
         return cls(
             read.routes, num_experts=read.num_experts, top_k=read.top_k, num_hidden_layers=read.num_hidden_layers
