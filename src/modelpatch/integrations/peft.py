@@ -27,6 +27,10 @@ rules in force: ``get_model_conversion_mapping`` as PEFT's module sees it drops 
 model both call PEFT's functions unchanged. The fused parameters of a model that kept them are converted as PEFT
 does.
 
+Transformers' own PEFT integration (``model.load_adapter``, ``from_pretrained`` of an adapter folder) builds its
+adapter rules from the same table and loads through ``convert_and_load_state_dict_in_model``; its load hook
+(:mod:`modelpatch.conversion.hooks`) keeps, for a model modelpatch built, only the rules whose targets it has.
+
 The third piece is a wrapper view (:mod:`modelpatch.conversion.wrappers`): PEFT's tuner layers (``base_layer``)
 and auxiliary wrappers (``modules_to_save``: ``original_module``), so that ``save_pretrained`` of a patched base
 model that still holds LoRA layers writes the original base layout.
