@@ -15,6 +15,8 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``reference`` shapes used to split fused tensors back exactly
 ``state``     per-model conversion state, kept on the model instance
 ``io``        lazy safetensors checkpoint access
+``wrappers``  seeing through wrapper modules of other libraries (PEFT's LoRA layers) on save; views registered by
+              :mod:`modelpatch.integrations`
 ``loading``   the ``from_pretrained`` path             ``saving``    the ``save_pretrained`` reverse
 ``unloaded``  replacement parameters the checkpoint did not provide
 ``report``    :func:`conversion_report`

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
 
+from ..patching.provenance import build_record
 from . import registry
 from .overlap import drop_replaced_builtins, has_target_layout, overlaps
+from .state import get_state
 
 __all__ = [
     "ResolvedRules",
@@ -18,6 +20,8 @@ __all__ = [
     "rules_fitting_model",
     "has_target_layout",
     "overlaps",
+    "built_by_modelpatch",
+    "transforms_in_force",
 ]
 
 
@@ -140,3 +144,26 @@ def compose_builtins(model, builtins: list, resolved: ResolvedRules) -> list:
         else:
             kept = [b for b in kept if not (b.scope_prefix == scope and any(overlaps(b, u) for u in mine))]
     return kept
+
+
+def built_by_modelpatch(model) -> bool:
+    """Whether modelpatch loaded or built ``model`` or one of its sub-models (conversion rules bound, or built
+    inside a patch block): what modelpatch knows of its layout is then on the instance."""
+    modules = model.modules() if hasattr(model, "modules") else ()
+    return any(get_state(m) is not None or build_record(m) is not None for m in modules)
+
+
+def transforms_in_force(transforms, names) -> list:
+    """``transforms`` (Transformers' rules, e.g. of ``get_model_conversion_mapping``) without the converters whose
+    target layout is not among ``names`` (the model's state-dict keys): such a converter produces keys the model does
+    not have (the built-in expert fusion on a model with per-expert ``nn.Linear`` experts), so it is not in force for
+    that model. Renamings and other transforms are kept, in order."""
+    from transformers import core_model_loading as _tcml
+
+    transforms = list(transforms)
+    converters = [t for t in transforms if isinstance(t, _tcml.WeightConverter)]
+    if not converters:
+        return transforms
+    names = list(names)
+    absent = {id(c) for c in converters if not has_target_layout(c, names)}
+    return [t for t in transforms if id(t) not in absent]

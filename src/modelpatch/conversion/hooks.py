@@ -9,17 +9,19 @@ Two module-level names of ``transformers.modeling_utils`` are replaced by thin w
   or built with user rules are written back in the original layout by :mod:`.saving`.
 
 With no user rule in effect and a model that was not converted, both wrappers call the original with the same
-arguments; the load wrapper then only checks that the parameters of replacement modules came from the checkpoint
+arguments (except for a model modelpatch built that loads PEFT adapters through ``model.load_adapter``: the adapter
+rules whose targets the model lacks are dropped, see :func:`.compose.transforms_in_force`); the load wrapper then only checks that the parameters of replacement modules came from the checkpoint
 (:mod:`.unloaded`). They are installed when :mod:`modelpatch` is imported. :func:`uninstall` restores the originals.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from transformers import modeling_utils as _mu
 
-from .compose import resolve_model_rules
+from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
 from .loading import convert_and_load
 from .registry import set_hooks_installed
 from .saving import revert_to_original_layout
@@ -33,6 +35,14 @@ _originals: dict = {}
 
 def _load(model, state_dict, load_config, disk_offload_index=None):
     original = _originals["convert_and_load_state_dict_in_model"]
+    if getattr(model, "_hf_peft_config_loaded", False) and built_by_modelpatch(model):
+        # `model.load_adapter` (Transformers' PEFT integration, also `from_pretrained(adapter_dir)`) on a model
+        # modelpatch built: the adapter is in the model's own layout, so user rules (written for base checkpoints)
+        # do not apply, and of the adapter rules PEFT built from Transformers' table only those whose targets the
+        # model has are kept (the built-in expert fusion would fuse per-expert LoRA weights into absent keys)
+        mapping = transforms_in_force(load_config.weight_mapping or [], model.state_dict())
+        # (the base weights were loaded before: the keys this load reports missing are not the adapter's to fill)
+        return original(model, state_dict, dataclasses.replace(load_config, weight_mapping=mapping), disk_offload_index)
     resolved = resolve_model_rules(model)
     if resolved is None:
         result = original(model, state_dict, load_config, disk_offload_index)

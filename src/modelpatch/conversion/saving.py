@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from transformers import conversion_mapping as _tcm
 from transformers import core_model_loading as _tcml
+from transformers.utils import logging
 
 from .compose import compose_builtins, resolve_model_rules, rules_fitting_model
 from .plan import build_plan
 from .reference import ReferenceShapes
 from .state import ConversionState, get_state
+from .wrappers import unwrapped_names, unwrapped_state_dict, wrapper_bases
+
+logger = logging.get_logger("modelpatch.conversion")
 
 __all__ = ["revert_to_original_layout", "reverse_state_dict"]
 
@@ -36,11 +40,21 @@ def reverse_state_dict(model, state_dict: dict, state: ConversionState) -> dict:
 
 
 def revert_to_original_layout(model, state_dict: dict, original) -> dict:
-    """Wrapper body of ``revert_weight_conversion`` (see :mod:`.hooks`)."""
+    """Wrapper body of ``revert_weight_conversion`` (see :mod:`.hooks`).
+
+    A model that modelpatch reverses and that still holds wrapper modules of a library with a registered view
+    (PEFT's LoRA layers, see :mod:`.wrappers`) is saved without them: the base weights under their own names,
+    adapter weights left out (a warning says how many), so the checkpoint is the original base layout.
+    """
     state = get_state(model)
     restore = False
+    bases: dict[str, str] = {}
     if state is None:
-        resolved = rules_fitting_model(model, resolve_model_rules(model))
+        resolved = resolve_model_rules(model)
+        if resolved is not None:
+            bases = wrapper_bases(model)
+            names = unwrapped_names(model.state_dict(), bases)
+            resolved = rules_fitting_model(model, resolved, names)
         if resolved is None:
             return original(model, state_dict)
         state = ConversionState(resolved.rules, resolved.owner)
@@ -49,6 +63,17 @@ def revert_to_original_layout(model, state_dict: dict, original) -> dict:
             builtins = [b for b in builtins if not isinstance(b, _tcml.PrefixChange)]
             model._weight_conversions = compose_builtins(model, builtins, resolved)
             restore = True
+    else:
+        bases = wrapper_bases(model)
+    if bases:
+        state_dict, dropped = unwrapped_state_dict(state_dict, bases)
+        if dropped:
+            logger.warning(
+                f"{type(model).__name__}.save_pretrained: {len(bases)} module(s) are wrapped (e.g. by PEFT); saving "
+                f"their base weights in the original layout without the {len(dropped)} adapter tensor(s) (e.g. "
+                f"'{dropped[0]}'). Merge the adapters first (merge_and_unload()) to save merged weights, or save "
+                "the adapter itself."
+            )
     try:
         state_dict = original(model, state_dict)
     finally:

@@ -2,7 +2,11 @@
 
 ``transformers``  the wrappers on ``PreTrainedModel`` (``from_pretrained``, ``_from_config``, ``__init__``,
                   ``post_init``) and the output-recorder registry extension, with ``install()`` / ``uninstall()``;
-                  :mod:`modelpatch` installs them on import
+                  :mod:`modelpatch` installs them on import, together with ``peft``'s
+``peft``          PEFT on patched models: only the built-in conversion rules a patched model's layout has reach
+                  PEFT's adapter conversion (per-expert LoRA targets and weights kept), and PEFT's LoRA layers are
+                  seen through when a patched base model is saved; wrappers on PEFT's lazily imported
+                  ``peft.utils.transformers_weight_conversion``, installed when it is imported
 ``trl``           :class:`~.trl.RoutingReplayGRPOTrainer`, GRPO with MoE routing replay (``pip install
                   "modelpatch[trl]"``; imported only when used)
 """

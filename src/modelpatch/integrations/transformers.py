@@ -31,6 +31,7 @@ from ..patching.provenance import BuildRecord, build_record, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..undo import UndoStack
+from . import peft as peft_integration
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -110,10 +111,11 @@ _install_lock = threading.Lock()
 
 
 def install() -> None:
-    """Install the wrappers on ``PreTrainedModel``, the output-recorder registry extension and the conversion
-    hooks (idempotent; :mod:`modelpatch` calls it on import)."""
+    """Install the wrappers on ``PreTrainedModel``, the output-recorder registry extension, the conversion
+    hooks and the PEFT integration (:mod:`.peft`) (idempotent; :mod:`modelpatch` calls it on import)."""
     with _install_lock:
         conversion_hooks.install()
+        peft_integration.install()
         if len(_installed):
             return
         install_registry_extension(_installed)
@@ -128,11 +130,12 @@ def install() -> None:
 
 def uninstall() -> None:
     """Remove everything :func:`install` put in place, exactly (``PreTrainedModel``'s class dictionary and the
-    recorder registry's class are as before import), and the conversion hooks. Models built while installed keep
+    recorder registry's class are as before import), the conversion hooks and the PEFT integration. Models built while installed keep
     what they recorded; a later :func:`install` puts everything back."""
     with _install_lock:
         _installed.undo()
         conversion_hooks.uninstall()
+        peft_integration.uninstall()
 
 
 def installed() -> bool:

@@ -1,0 +1,241 @@
+"""PEFT (pinned: 0.21.2) on patched models: adapters target the modules the patched model really has.
+
+**The mechanism this fixes.** Transformers 5 fuses the experts of MoE models (``gate_up_proj``/``down_proj``
+parameters); PEFT adapts to it in :mod:`peft.utils.transformers_weight_conversion`, for adapters trained on the
+per-expert ``nn.Linear`` modules of Transformers 4, twice:
+
+* ``convert_peft_config_for_transformers(peft_config, model, conversions)`` (called by ``inject_adapter``, i.e. by
+  ``get_peft_model`` and ``PeftModel.from_pretrained``) rewrites the targets ``gate_proj``/``up_proj``/``down_proj``
+  (Mixtral: ``w1``/``w3``/``w2``) into ``target_parameters`` ``gate_up_proj``/``down_proj`` whenever
+  ``get_checkpoint_conversion_mapping(config.model_type)`` is not ``None``: it looks at the model *type*, never at
+  the modules. On ``qwen3_moe``/``mixtral`` models with per-expert ``nn.Linear`` experts the experts are then not
+  targeted (``NoMatchingPeftModuleError`` when nothing else is). (``qwen2_moe`` itself escapes by accident: PEFT
+  looks ``model_type`` up in ``_MODEL_TO_CONVERSION_PATTERN``, which lists only the types *mapped to* it.)
+* ``convert_peft_adapter_state_dict_for_transformers`` (called by ``set_peft_model_state_dict``, i.e. by
+  ``PeftModel.from_pretrained``/``load_adapter``) takes the rules of ``get_model_conversion_mapping(base_model)``
+  (Transformers' table, by class name and ``model_type``) and fuses every per-expert LoRA tensor of the adapter into
+  tensors for the fused parameters; on a model that kept its experts per-expert, none of them names a parameter, so
+  all expert LoRA weights are dropped with only PEFT's "Found missing adapter keys" warning.
+
+Both ask Transformers' global table what layout a *model type* has; a patched model's own layout is what modelpatch
+knows of the instance. Here a built-in ``WeightConverter`` counts as *in force* for a model only when the model
+has its target layout (a parameter named like its target, seen through PEFT's wrappers); the wrappers below give
+PEFT, for models built or loaded by modelpatch (conversion rules bound, or built inside a patch block), only the
+rules in force: ``get_model_conversion_mapping`` as PEFT's module sees it drops the converters not in force
+(renamings such as Mixtral's ``block_sparse_moe`` -> ``mlp`` stay, so adapters of Transformers 4 still load), and
+``convert_peft_config_for_transformers`` leaves the config alone when no converter is in force. For every other
+model both call PEFT's functions unchanged. The fused parameters of a model that kept them are converted as PEFT
+does.
+
+Transformers' own PEFT integration (``model.load_adapter``, ``from_pretrained`` of an adapter folder) builds its
+adapter rules from the same table and loads through ``convert_and_load_state_dict_in_model``; its load hook
+(:mod:`modelpatch.conversion.hooks`) keeps, for a model modelpatch built, only the rules whose targets it has.
+
+The third piece is a wrapper view (:mod:`modelpatch.conversion.wrappers`): PEFT's tuner layers (``base_layer``)
+and auxiliary wrappers (``modules_to_save``: ``original_module``), so that ``save_pretrained`` of a patched base
+model that still holds LoRA layers writes the original base layout.
+
+**Installation.** :func:`install` (called by :func:`modelpatch.integrations.transformers.install`, i.e. on import of
+modelpatch) registers the view and, when ``peft.utils.transformers_weight_conversion`` is already imported, wraps its
+two names like :mod:`modelpatch.conversion.hooks` wraps Transformers' functions (the originals kept, a name someone
+wrapped again after us left alone). PEFT imports that module lazily, on the first adapter injection, so until then
+an import hook (:data:`sys.meta_path` finder answering for that one module name only, None for every other) wraps
+it right after it is executed. :func:`uninstall` restores the originals and removes the finder. Importing modelpatch
+never imports PEFT.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import threading
+from types import ModuleType
+
+import torch.nn as nn
+from transformers import core_model_loading as _tcml
+from transformers.utils import logging
+
+from ..conversion.compose import built_by_modelpatch, transforms_in_force
+from ..conversion.wrappers import register_wrapper_view, unwrapped_names, wrapper_bases
+from ..undo import UndoStack
+
+__all__ = ["install", "uninstall", "installed", "TARGET_MODULE", "builtin_converters_in_force", "peft_wrapper_bases"]
+
+logger = logging.get_logger("modelpatch.integrations.peft")
+
+TARGET_MODULE = "peft.utils.transformers_weight_conversion"
+"""PEFT's module holding the Transformers-5 weight conversion of adapters (imported lazily by PEFT)."""
+
+_lock = threading.RLock()
+_originals: dict = {}
+_view = UndoStack()
+
+
+# -- which built-in rules are in force -----------------------------------------------------------------------------
+def builtin_converters_in_force(model, transforms) -> list:
+    """``transforms`` (Transformers' rules for ``model``) without the ``WeightConverter`` s whose target layout the
+    model does not have, seen through PEFT's wrappers (:func:`peft_wrapper_bases`). Renamings are kept."""
+    return transforms_in_force(transforms, unwrapped_names(model.state_dict(), wrapper_bases(model)))
+
+
+def _peft_transforms(model, original, *args, **kwargs) -> list:
+    transforms = original(model, *args, **kwargs)
+    if not built_by_modelpatch(model):
+        return transforms
+    return builtin_converters_in_force(model, transforms)
+
+
+# -- the wrappers ----------------------------------------------------------------------------------------------------
+def _get_model_conversion_mapping(model, *args, **kwargs):
+    """``get_model_conversion_mapping`` as PEFT's module sees it: only the rules in force for a patched model."""
+    return _peft_transforms(model, _originals["get_model_conversion_mapping"], *args, **kwargs)
+
+
+def _expert_fusions(transforms) -> list:
+    """The converters PEFT's adapter conversion knows: a single target ending in ``gate_up_proj`` or ``down_proj``
+    (as in ``build_peft_weight_mapping``), i.e. Transformers' fusion of MoE experts."""
+    return [
+        t
+        for t in transforms
+        if isinstance(t, _tcml.WeightConverter)
+        and len(t.target_patterns) == 1
+        and t.target_patterns[0].endswith(("gate_up_proj", "down_proj"))
+    ]
+
+
+def _convert_peft_config_for_transformers(peft_config, model, conversions=None):
+    """PEFT's config conversion (targets of per-expert modules rewritten into the fused expert parameters), skipped
+    for a model modelpatch built on which no expert fusion of Transformers is in force: its experts are per-expert
+    modules, which the targets name as they are."""
+    original = _originals["convert_peft_config_for_transformers"]
+    if built_by_modelpatch(model):
+        transforms = _originals["get_model_conversion_mapping"](model)
+        if _expert_fusions(transforms) and not _expert_fusions(builtin_converters_in_force(model, transforms)):
+            logger.info(
+                f"modelpatch: {type(model).__name__} does not have the fused experts of Transformers' built-in rules "
+                "(per-expert modules); PEFT's rewriting of expert targets into fused parameters is skipped"
+            )
+            return None
+    return original(peft_config, model, conversions)
+
+
+_WRAPPERS = {
+    "get_model_conversion_mapping": _get_model_conversion_mapping,
+    "convert_peft_config_for_transformers": _convert_peft_config_for_transformers,
+}
+
+
+def _wrap(module: ModuleType) -> None:
+    """Wrap the names of PEFT's conversion module (idempotent; see :mod:`modelpatch.conversion.hooks`)."""
+    with _lock:
+        for name, wrapper in _WRAPPERS.items():
+            current = getattr(module, name, None)
+            if current is None or current is wrapper or (name in _originals and current is not _originals[name]):
+                continue
+            _originals[name] = current
+            setattr(module, name, wrapper)
+
+
+def _unwrap(module: ModuleType) -> None:
+    with _lock:
+        for name, wrapper in _WRAPPERS.items():
+            if getattr(module, name, None) is wrapper and name in _originals:
+                setattr(module, name, _originals.pop(name))
+
+
+# -- the wrapper view --------------------------------------------------------------------------------------------
+def peft_wrapper_bases(model: nn.Module) -> dict[str, str]:
+    """``{module path: path of its base module inside it}`` for PEFT's tuner layers (``base_layer``, recursively)
+    and auxiliary training wrappers (``original_module``) in ``model``; ``{}`` while PEFT is not imported."""
+    if "peft" not in sys.modules:
+        return {}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            base = module.get_base_layer()
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            base = module.original_module
+        else:
+            continue
+        relative = next((n for n, m in module.named_modules() if m is base and n), None)
+        if relative is not None:
+            found[name] = relative
+    return found
+
+
+# -- import hook -----------------------------------------------------------------------------------------------------
+class _Loader(importlib.abc.Loader):
+    """Delegates to the real loader; wraps the module once it has been executed."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _wrap(module)
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...
+        return getattr(self._loader, name)
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Answers for :data:`TARGET_MODULE` only (``None`` for every other name, so other imports are untouched)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET_MODULE:
+            return None
+        spec = None
+        for finder in list(sys.meta_path):
+            find_spec = getattr(finder, "find_spec", None)
+            if finder is self or find_spec is None:
+                continue
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _Loader(spec.loader)
+        return spec
+
+
+_hook = _ImportHook()
+
+
+def install() -> None:
+    """Register the PEFT wrapper view and wrap PEFT's conversion module now or when it is imported (idempotent)."""
+    with _lock:
+        if not len(_view):
+            register_wrapper_view("peft", peft_wrapper_bases, _view)
+        module = sys.modules.get(TARGET_MODULE)
+        if module is not None:
+            _wrap(module)
+        elif _hook not in sys.meta_path:
+            sys.meta_path.insert(0, _hook)
+
+
+def uninstall() -> None:
+    """Restore PEFT's functions (those still wrapped by us), remove the import hook and the wrapper view."""
+    with _lock:
+        while _hook in sys.meta_path:
+            sys.meta_path.remove(_hook)
+        module = sys.modules.get(TARGET_MODULE)
+        if module is not None:
+            _unwrap(module)
+        _view.undo()
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect (the view registered; the wrappers in place, or the hook waiting)."""
+    with _lock:
+        if not len(_view):
+            return False
+        module = sys.modules.get(TARGET_MODULE)
+        if module is None:
+            return _hook in sys.meta_path
+        return all(getattr(module, name, None) is wrapper for name, wrapper in _WRAPPERS.items())
