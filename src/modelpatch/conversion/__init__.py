@@ -19,6 +19,7 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``unloaded``  replacement parameters the checkpoint did not provide
 ``report``    :func:`conversion_report`
 ``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
+``transfer``  one module's tensors of a built model between layouts (what :func:`~modelpatch.patch_model` runs)
 ``hooks``     the only wrappers of Transformers functions (installed by :mod:`modelpatch.integrations`)
 """
 
