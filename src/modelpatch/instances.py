@@ -34,10 +34,10 @@ import contextvars
 import inspect
 import sys
 import weakref
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -116,6 +116,8 @@ class _Swap:
     fired: set[int]  # ids of the transfer rules that fired (reversed on revert)
     recorded: dict[str, tuple[int, ...]]  # shapes consumed by converters (exact splits on revert)
     pairs: list[tuple[weakref.ref[nn.Parameter], list[weakref.ref[nn.Parameter]]]] = field(default_factory=list)
+    extra: set[str] = field(default_factory=set)  # replacement-only tensors (init values): dropped on revert
+    reversible: bool = True
 
 
 @dataclass
@@ -203,7 +205,7 @@ class ModelPatch:
                 "again by other code); put them back first"
             )
         for swap in reversed(self._swaps):
-            if not self.keep_original:
+            if not self.keep_original and swap.reversible:
                 self._write_back(swap)
         self._undo.undo()
         for swap in self._swaps:
@@ -219,6 +221,8 @@ class ModelPatch:
         shapes = {k: shape for k, (shape, _) in swap.layout.items()}
         with torch.no_grad():
             result = self._transfer.to_model(current, swap.fired, swap.recorded, shapes, self.model)
+            for key in swap.extra:
+                result.tensors.pop(key, None)
             if set(result.tensors) != set(swap.sources):
                 raise ConversionError(
                     f"revert of {swap.path}: the inverse rules gave {sorted(result.tensors)}, expected the original "
@@ -449,7 +453,7 @@ def _build(replacement: type, original: nn.Module, args: tuple, kwargs: dict, de
             if from_module is not None:
                 built = from_module(original)
             else:
-                built = replacement.__new__(replacement)
+                built = cast(Any, replacement).__new__(replacement)
                 unhooked_init(replacement)(built, *args, **kwargs)
         if not isinstance(built, nn.Module):
             raise InstancePatchError(
@@ -470,6 +474,8 @@ class _Target:
     arguments: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
     real_build: bool = False  # some tensors of the replacement are not provided: build it on real memory
     tied_outside: set[str] = field(default_factory=set)  # full keys shared with parameters outside the module
+    missing: set[str] = field(default_factory=set)  # full keys of the replacement no rule provides (init values)
+    reversible: bool = True  # the inverse rules give the original tensors back (checked on meta)
 
 
 def _targets(model: nn.Module, mapping: PatchMapping, strict: bool) -> list[_Target]:
@@ -478,8 +484,8 @@ def _targets(model: nn.Module, mapping: PatchMapping, strict: bool) -> list[_Tar
     resolution = _resolve(mapping, classes)
     for path, module in modules:
         found = provenance(module)
-        if found is not None and mapping.resolve(found.original.__name__) is not None:
-            rule = mapping.resolve(found.original.__name__)
+        rule = mapping.resolve(found.original.__name__) if found is not None else None
+        if found is not None and rule is not None:
             raise InstancePatchError(
                 f"'{path or '<root>'}' is already a replacement ({found.replacement.__qualname__} in place of "
                 f"{found.original.__name__}, key {found.key!r}{', by patch_model' if found.via == 'patch_model' else ''})"
@@ -727,7 +733,7 @@ def _validate(model: nn.Module, target: _Target, transfer: TransferRules, ties: 
             )
         if tuple(tensor.shape) != expected[key]:
             raise ConversionShapeError(key, tensor.shape, expected[key], f"patch_model of '{path}'")
-    for key, owners in ties.items():
+    for owners in ties.values():
         names = [n for n in owners if n.startswith(prefix)]
         outside = [n for n in owners if not n.startswith(prefix)]
         if not names or not outside:
@@ -749,10 +755,34 @@ def _validate(model: nn.Module, target: _Target, transfer: TransferRules, ties: 
         if strict:
             raise ConversionError(message + " (strict). The model was not modified.")
         logger.warning(message)
+    target.missing = set(missing)
+    target.reversible = _round_trips(model, transfer, moved, expected, stand_ins, target.missing)
+    if not target.reversible:
+        logger.warning(
+            f"modelpatch: patch_model of '{path}': the inverse rules do not give the original tensors back, so "
+            f"{type(original).__name__} keeps its own tensors and revert only swaps it back (what is trained on "
+            "the replacement is not written back)"
+        )
     state_keys = set(built.state_dict(keep_vars=True))
     others = [k for k, _ in built.named_buffers() if k not in state_keys]  # non-persistent buffers: __init__ values
     target.real_build = bool(missing or others or _meta_attributes(built))
     return moved.fired
+
+
+def _round_trips(
+    model: nn.Module, transfer: TransferRules, moved: Any, expected: dict, stand_ins: dict, missing: set[str]
+) -> bool:
+    """Whether the inverse rules take the replacement's tensors (meta stand-ins) back to exactly the original keys and
+    shapes (replacement-only tensors, ``missing``, are dropped on revert)."""
+    current = dict(moved.tensors)
+    current.update({k: torch.empty(expected[k], device="meta") for k in missing})
+    shapes = {k: tuple(t.shape) for k, t in stand_ins.items()}
+    try:
+        back = transfer.to_model(current, moved.fired, moved.recorded, shapes, model)
+    except Exception:  # noqa: BLE001 - any failure means: not reversible
+        return False
+    tensors = {k: v for k, v in back.tensors.items() if k not in missing}
+    return tensors.keys() == shapes.keys() and all(tuple(tensors[k].shape) == shapes[k] for k in shapes)
 
 
 def _meta_attributes(module: nn.Module) -> bool:
@@ -781,12 +811,13 @@ def _swap(model: nn.Module, patch: ModelPatch, target: _Target, transfer: Transf
         if dtype is not None:
             for sub in replacement.modules():
                 for table in (sub._parameters, sub._buffers):
-                    for name, tensor in table.items():
+                    for tensor in table.values():
                         if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                             tensor.data = tensor.data.to(dtype)
     # a tensor no rule changes is handed over as the same object, unless the original keeps its tensors (then only
     # tensors tied outside the module are shared: the tie wins)
-    keep_ids = {id(t) for k, t in sources.items() if not patch.keep_original or k in target.tied_outside}
+    keep_all = patch.keep_original or not target.reversible  # the original keeps its tensors
+    keep_ids = {id(t) for k, t in sources.items() if not keep_all or k in target.tied_outside}
     tensors = _owned(moved.tensors, sources=sources.values(), keep_ids=keep_ids)
     handed_over = {id(v) for v in tensors.values()} & {id(t) for t in sources.values()}
     pairs: dict[str, list[nn.Parameter]] = {}
@@ -821,6 +852,8 @@ def _swap(model: nn.Module, patch: ModelPatch, target: _Target, transfer: Transf
         layout={k: (tuple(t.shape), tuple(t.stride())) for k, t in sources.items()},
         fired=moved.fired,
         recorded=moved.recorded,
+        extra=target.missing,
+        reversible=target.reversible,
         pairs=[
             (weakref.ref(sources[k]), [weakref.ref(p) for p in ps])
             for k, ps in pairs.items()
@@ -834,7 +867,7 @@ def _swap(model: nn.Module, patch: ModelPatch, target: _Target, transfer: Transf
     patch._swaps.append(swap)
     patch._recorded.update(moved.recorded)
     target.replacement = None
-    if not patch.keep_original:
+    if not keep_all:
         freed: set[int] = set()
         for tensor in sources.values():
             if id(tensor) in handed_over or id(tensor) in freed:

@@ -136,7 +136,9 @@ class TransferRules:
         backward = _reversed(converters, renamings)
         stage_a = _run(tensors, backward, reverse=True, references=self.references)
         # which forward built-ins fired: their reverses did
-        stage_a.fired = {id(rule) for rule, rev in zip(converters + renamings[::-1], backward) if id(rev) in stage_a.fired}
+        stage_a.fired = {
+            id(rule) for rule, rev in zip(converters + renamings[::-1], backward) if id(rev) in stage_a.fired
+        }
         stage_a.recorded = {}
         stage_b = _run(
             stage_a.tensors,

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from transformers.core_model_loading import WeightTransform
 
     from ..instances import ModelPatch
-
     from ..patching.scopes import PatchScope
 
 __all__ = ["Recipe", "RuleSpec"]
