@@ -192,9 +192,16 @@ class ModelPatch:
         model is dropped. The model's conversion state is restored (exactly as before once every instance patch of
         the model is reverted). Patches of one model revert in any order; a second call does nothing.
 
+        Replacement tensors no rule provides (``__init__`` values) have no place in the original and are dropped;
+        a module whose inverse rules do not give its tensors back (checked on ``meta`` when patching) kept its own
+        tensors and is swapped back as it was.
+
         Raises:
             ModelpatchRuntimeError: a replaced module is no longer where the patch put it (something else swapped
                 it); nothing is reverted then.
+            ConversionError: the replacement's tensors cannot go through the inverse operations (e.g. weights
+                quantized after the patch: a quantized tensor cannot be stacked back into a fused parameter); the
+                model stays patched.
         """
         if self.reverted:
             return
