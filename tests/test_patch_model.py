@@ -397,6 +397,7 @@ def test_already_replaced_modules_are_refused():
         patch_model(built, {"LlamaAttention": FUSED_QKV_CLASSES["llama"]})
 
 
+@pytest.mark.slow  # importing peft takes ~3 s
 def test_peft_models_are_refused_with_the_supported_order():
     from peft import LoraConfig, get_peft_model
 
