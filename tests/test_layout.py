@@ -27,8 +27,9 @@ ALLOWED = {
     "conversion": {"errors", "undo", "patching"},
     "routing": {"errors", "undo"},
     "blocks": {"errors", "undo", "patching", "conversion"},
+    "instances": {"errors", "undo", "patching", "conversion"},
     "integrations": {"errors", "undo", "patching", "outputs", "conversion", "routing", "blocks"},
-    "recipes": {"errors", "undo", "patching", "conversion", "blocks"},
+    "recipes": {"errors", "undo", "patching", "conversion", "blocks", "instances"},
     "cli": {
         "errors",
         "undo",
@@ -37,6 +38,7 @@ ALLOWED = {
         "conversion",
         "routing",
         "blocks",
+        "instances",
         "recipes",
         "integrations",
         "__init__",

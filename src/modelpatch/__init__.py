@@ -1,7 +1,7 @@
 """modelpatch: change the structure of 🤗 Transformers models without editing modeling code.
 
-Swap module classes while a model is built (exact class name or regex keys), convert checkpoint weights
-to the new layout on load and back on save, see what changed, keep output capture working on
+Swap module classes while a model is built (exact class name or regex keys) or in a model already built
+(:func:`patch_model`, revertible), convert checkpoint weights to the new layout on load and back on save, see what changed, keep output capture working on
 replacement classes, and record/replay MoE routing (:mod:`modelpatch.routing`). Importing modelpatch installs thin wrappers on
 ``PreTrainedModel`` (see :mod:`modelpatch.integration`) so the registry applies to every
 ``from_pretrained``/``from_config`` build; nothing else in the process is changed.
@@ -30,6 +30,7 @@ from .conversion import (
     unregister_checkpoint_conversion_mapping,
 )
 from .errors import ModelpatchError
+from .instances import InstancePatchError, InstancePatchRow, ModelPatch, patch_model
 from .integrations.transformers import install as _install
 from .outputs import OutputRecorder, patch_output_recorders, register_output_recorder, unregister_output_recorder
 from .patching.conflicts import Conflict
@@ -57,6 +58,10 @@ __all__ = [
     "set_strict_patching",
     "is_strict_patching",
     "apply_patches",
+    "patch_model",
+    "ModelPatch",
+    "InstancePatchRow",
+    "InstancePatchError",
     "replacement_of",
     "Replacement",
     "ModelpatchError",

@@ -22,6 +22,7 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``report``    :func:`conversion_report`
 ``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
 ``statedict`` ``model.load_state_dict`` in both layouts (hooks on every model that carries conversion state)
+``transfer``  one module's tensors of a built model between layouts (what :func:`~modelpatch.patch_model` runs)
 ``hooks``     the only wrappers of Transformers functions (installed by :mod:`modelpatch.integrations`)
 """
 

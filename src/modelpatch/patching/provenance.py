@@ -50,6 +50,13 @@ class Replacement:
     arguments: tuple[tuple[Any, ...], dict[str, Any]] = field(default=((), {}), compare=False, repr=False)
     """``(args, kwargs)`` the replacement was built with (the original's constructor arguments): what rebuilding
     its initial values needs when a checkpoint does not provide some of its parameters."""
+    via: str = field(default="build", compare=False)
+    """``"build"``: built in place of the original while the model was built (``apply_patches``, the registry);
+    ``"patch_model"``: swapped into a built model by :func:`~modelpatch.patch_model` (revertible)."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("via", "build")  # pickled by a release without the field
+        self.__dict__.update(state)
 
 
 @dataclass

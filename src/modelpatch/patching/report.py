@@ -22,6 +22,8 @@ class PatchRow:
     original: type
     replacement: type
     key: str
+    via: str = "build"
+    """``"build"`` (replaced while the model was built) or ``"patch_model"`` (swapped into the built model)."""
 
 
 @dataclass
@@ -48,6 +50,7 @@ class PatchReport:
                     "original": _qualname(r.original),
                     "replacement": _qualname(r.replacement),
                     "key": r.key,
+                    "via": r.via,
                 }
                 for r in self.rows
             ],
@@ -61,7 +64,8 @@ class PatchReport:
         lines = [f"{len(self.rows)} module(s) replaced"]
         width = max((len(r.path) for r in self.rows), default=4)
         for r in self.rows:
-            lines.append(f"  {r.path:<{width}}  {r.original.__name__} -> {_qualname(r.replacement)}  [{r.key}]")
+            via = "  (patch_model)" if r.via == "patch_model" else ""
+            lines.append(f"  {r.path:<{width}}  {r.original.__name__} -> {_qualname(r.replacement)}  [{r.key}]{via}")
         if self.unmatched_keys:
             lines.append(f"keys that replaced nothing: {', '.join(self.unmatched_keys)}")
         if self.not_applicable_keys:
@@ -79,7 +83,8 @@ def patch_report(model: nn.Module) -> PatchReport:
 
     Returns:
         A :class:`PatchReport` with one :class:`PatchRow` per replaced module (path as in
-        ``model.named_modules()``), the keys of the mappings in force while the model was built that
+        ``model.named_modules()``; ``via="patch_model"`` for modules swapped into the built model by
+        :func:`~modelpatch.patch_model`, listed until that patch is reverted), the keys of the mappings in force while the model was built that
         matched no class built, split into ``unmatched_keys`` (they name no class that exists) and
         ``not_applicable_keys`` (they name classes of another model family, or classes this model does not
         use), container/inner conflicts (see :mod:`modelpatch.patching.conflicts`), and the
@@ -90,7 +95,8 @@ def patch_report(model: nn.Module) -> PatchReport:
     for path, module in model.named_modules():
         found = provenance(module)
         if found is not None:
-            report.rows.append(PatchRow(path or "<root>", found.original, found.replacement, found.key))
+            via = getattr(found, "via", "build")
+            report.rows.append(PatchRow(path or "<root>", found.original, found.replacement, found.key, via))
     record = build_record(model)
     if record is not None:
         if record.unmatched is not None:

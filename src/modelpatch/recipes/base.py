@@ -1,7 +1,8 @@
 """The :class:`Recipe` type: a patch mapping plus the checkpoint conversion rules it needs.
 
 A recipe is applied either for one block (``with recipe.apply(): ...``, nothing left behind on exit, also on
-error) or for the process (``recipe.register()`` / ``recipe.unregister()``). Two recipes combine with ``+``
+error), for the process (``recipe.register()`` / ``recipe.unregister()``), or to a model already built
+(``recipe.patch(model)``, revertible). Two recipes combine with ``+``
 (mappings merged, rules of the same ``model_type`` concatenated), e.g. the founding document's full example is
 ``get_recipe("qwen2_moe-fused-qkv") + get_recipe("qwen2_moe-linear-experts")``.
 """
@@ -18,8 +19,10 @@ from typing import TYPE_CHECKING
 from ..errors import ModelpatchTypeError, ModelpatchValueError
 
 if TYPE_CHECKING:
+    import torch.nn as nn
     from transformers.core_model_loading import WeightTransform
 
+    from ..instances import ModelPatch
     from ..patching.scopes import PatchScope
 
 __all__ = ["Recipe", "RuleSpec"]
@@ -112,6 +115,25 @@ class Recipe:
             overwrite=overwritten,
         ) as scope:
             yield scope
+
+    def patch(self, model: nn.Module, *, strict: bool = False, keep_original: bool = False) -> ModelPatch:
+        """Apply the recipe to a model that is already built: :func:`modelpatch.patch_model` with the recipe's
+        mapping, rules and ``overwrite`` names (the same composition as :meth:`apply` for a load).
+
+        Returns the :class:`~modelpatch.ModelPatch` (``revert()``, ``report``; a context manager that reverts on
+        exit). Raises what :func:`~modelpatch.patch_model` raises; the model is unchanged then.
+        """
+        from ..instances import patch_model
+
+        overwritten = [name for name, spec in self.conversion.items() if spec.overwrite]
+        return patch_model(
+            model,
+            dict(self.patch_mapping),
+            conversion_rules=self.build_conversion_rules(),
+            overwrite=overwritten,
+            strict=strict,
+            keep_original=keep_original,
+        )
 
     def register(self) -> None:
         """Register the mapping and the rules process-wide (every later ``from_pretrained``).

@@ -1,0 +1,222 @@
+"""Carry one module's tensors of a *built* model between parameter layouts, through the rules of a checkpoint load.
+
+What :func:`modelpatch.patch_model` moves weights with. A module's parameters are in the model's in-memory layout,
+which may already differ from the checkpoint layout by Transformers' built-in conversions (an unpatched Qwen3-MoE
+holds fused ``mlp.experts.gate_up_proj (E, 2I, H)`` where its checkpoint has ``mlp.experts.{e}.gate_proj.weight``).
+So the tensors go through two stages, each run with the plan engine of loading and saving (:mod:`.plan`):
+
+A. **built-in stage**: Transformers' transforms of the model, picked as ``revert_weight_conversion`` picks them
+   (``model._weight_conversions`` after ``from_pretrained``, else ``get_model_conversion_mapping(model,
+   add_legacy=False)`` without ``PrefixChange``), as modelpatch rules (exact inverses). Reversed: model layout ->
+   checkpoint layout (what ``save_pretrained`` writes); forward: checkpoint -> model layout (what a load does).
+B. **patch stage**: the user rules resolved for the model, the built-in converters they leave in place, and
+   Transformers' key renamings applied first, exactly as :func:`~modelpatch.load_converted_state_dict` composes them.
+   Forward: checkpoint layout -> replacement layout, recording the shapes each converter consumed; reversed (with
+   those shapes, so a grouped-query ``qkv_proj`` splits back 64/32/32): replacement -> checkpoint layout.
+
+Every call works on the keys of one module only (full model keys, so scoped rules match), so memory stays at one
+module at a time. Each output comes with the input keys it was computed from (``origins``): the key map of the
+patch report, and which sources' ``requires_grad`` a new parameter takes. A passed-through tensor comes out as the
+very same object (no copy), which keeps tied parameters tied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import core_model_loading as _tcml
+
+from .compose import ResolvedRules
+from .errors import ConversionError
+from .manual import _builtin_transforms
+from .plan import build_plan
+from .reference import ReferenceShapes
+from .rules import as_modelpatch_rule
+
+__all__ = ["Moved", "TransferRules", "transfer_rules"]
+
+
+class _Source:
+    """An input tensor with its key: a plan hands passed-through inputs back unchanged, so the key survives."""
+
+    __slots__ = ("key", "tensor")
+
+    def __init__(self, key: str, tensor: torch.Tensor):
+        self.key, self.tensor = key, tensor
+
+    def __call__(self) -> torch.Tensor:  # :func:`.plan.load_tensor` calls zero-argument callables
+        return self.tensor
+
+
+@dataclass
+class Moved:
+    """Result of one stage: ``tensors`` ``{output key: tensor}``, ``origins`` ``{output key: input keys}``,
+    ``fired`` (ids of the rules that matched), ``recorded`` (input key -> shape, for the inputs converters consumed)."""
+
+    tensors: dict[str, torch.Tensor]
+    origins: dict[str, tuple[str, ...]]
+    fired: set[int] = field(default_factory=set)
+    recorded: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def then(self, later: Moved) -> Moved:
+        """``later`` (run on this result's tensors) with origins traced back to this result's inputs."""
+        origins = {
+            key: tuple(dict.fromkeys(k for source in sources for k in self.origins.get(source, (source,))))
+            for key, sources in later.origins.items()
+        }
+        return Moved(later.tensors, origins, self.fired | later.fired, {**self.recorded, **later.recorded})
+
+
+def _run(tensors: dict[str, torch.Tensor], rules: list, *, reverse: bool, key_renamings=(), references=None) -> Moved:
+    items = [(key, _Source(key, tensor)) for key, tensor in tensors.items()]
+    plan = build_plan(items, rules, reverse=reverse, key_renamings=list(key_renamings))
+    recorded = {
+        key: tuple(source.tensor.shape)
+        for group in plan.groups.values()
+        for pairs in group.sources.values()
+        for key, source in pairs
+    }
+    result = plan.convert_all(references)
+    out: dict[str, torch.Tensor] = {}
+    origins: dict[str, tuple[str, ...]] = {}
+    for name, value in result.items():
+        if isinstance(value, _Source):
+            out[name], origins[name] = value.tensor, (value.key,)
+        else:
+            out[name], origins[name] = value, plan.produced[name][2].source_keys()
+    return Moved(out, origins, set(plan.fired), recorded)
+
+
+def _reversed(converters: list, renamings: list) -> list:
+    """Reverse transforms in save order: converters keep their load priority, renamings undo last-applied first
+    (as :func:`~modelpatch.conversion.saving.reverse_state_dict` orders them)."""
+    return [c.reverse_transform() for c in converters] + [r.reverse_transform() for r in renamings[::-1]]
+
+
+def _split(rules: Iterable) -> tuple[list, list]:
+    rules = list(rules)
+    converters = [r for r in rules if isinstance(r, _tcml.WeightConverter)]
+    return converters, [r for r in rules if not isinstance(r, _tcml.WeightConverter)]
+
+
+@dataclass
+class TransferRules:
+    """The two stages of one model (see the module docstring), computed once per :func:`~modelpatch.patch_model`.
+
+    Attributes:
+        builtins: stage A, Transformers' transforms as modelpatch rules, in load order.
+        unsupported: Transformers transforms of the model that have no modelpatch equivalent (refused if they would
+            touch a patched module's keys).
+        rules: stage B rules: user rules, then the built-in converters they leave in place.
+        key_renamings: Transformers' renamings applied to every key before ``rules`` (stage B).
+        user: the user rules (owner names, strictness).
+    """
+
+    builtins: list
+    unsupported: list
+    rules: list
+    key_renamings: list
+    user: ResolvedRules
+    references: ReferenceShapes
+
+    # -- patch: model layout -> replacement layout -------------------------------------------------------------
+    def to_replacement(self, tensors: dict[str, torch.Tensor], target_shapes: dict) -> Moved:
+        """Move ``{full model key: tensor}`` of one module from the model layout to the replacement layout.
+
+        ``target_shapes``: ``{full key: shape}`` of the replacement (reference sizes for ``Chunk``).
+
+        Raises:
+            ConversionError: a built-in transform of the model that modelpatch cannot run touches these keys, or an
+                operation cannot be applied.
+        """
+        self._refuse_unsupported(tensors)
+        converters, renamings = _split(self.builtins)
+        backward = _reversed(converters, renamings)
+        stage_a = _run(tensors, backward, reverse=True, references=self.references)
+        # which forward built-ins fired: their reverses did
+        stage_a.fired = {
+            id(rule) for rule, rev in zip(converters + renamings[::-1], backward) if id(rev) in stage_a.fired
+        }
+        stage_a.recorded = {}
+        stage_b = _run(
+            stage_a.tensors,
+            self.rules,
+            reverse=False,
+            key_renamings=self.key_renamings,
+            references=ReferenceShapes(dict(target_shapes)),
+        )
+        stage_b.fired |= {id(r) for r in self.key_renamings if any(_renames(r, key) for key in stage_a.tensors)}
+        return stage_a.then(stage_b)
+
+    # -- revert: replacement layout -> model layout ------------------------------------------------------------
+    def to_model(
+        self, tensors: dict[str, torch.Tensor], fired: set[int], recorded: dict, model_shapes: dict, model
+    ) -> Moved:
+        """Inverse of :meth:`to_replacement` for one module: the reverse of the stage-B rules that ``fired`` then the
+        stage-A built-ins that ``fired``, forward. ``recorded``: shapes stage B consumed (exact splits);
+        ``model_shapes``: ``{full key: shape}`` of the original module (references of the built-ins)."""
+        user_converters, user_renamings = _split(r for r in self.rules if id(r) in fired)
+        renamings = [r for r in self.key_renamings if id(r) in fired] + user_renamings
+        stage_b = _run(
+            tensors,
+            _reversed(user_converters, renamings),
+            reverse=True,
+            references=ReferenceShapes(dict(recorded), model),
+        )
+        builtins = [r for r in self.builtins if id(r) in fired]
+        stage_a = _run(stage_b.tensors, builtins, reverse=False, references=ReferenceShapes(dict(model_shapes)))
+        return stage_b.then(stage_a)
+
+    def _refuse_unsupported(self, tensors: dict) -> None:
+        for transform in self.unsupported:
+            try:
+                reverse = transform.reverse_transform()
+            except Exception:  # noqa: BLE001 - a transform that cannot even be reversed: test its own patterns
+                reverse = transform
+            hit = next((key for key in tensors if reverse._scoped_match(key) is not None), None)
+            if hit is not None:
+                raise ConversionError(
+                    f"Transformers' built-in transform {transform!r} of this model touches '{hit}' and has no exact "
+                    "modelpatch equivalent; patch_model cannot move this module's weights (load the model patched "
+                    "instead: `with apply_patches(...): from_pretrained(...)`). The model was not modified."
+                )
+
+    def user_rule_ids(self) -> set[int]:
+        return {id(r) for r in self.user.rules}
+
+
+def _renames(renaming, key: str) -> bool:
+    return renaming._scoped_match(key) is not None
+
+
+def transfer_rules(model, user: ResolvedRules | None) -> TransferRules:
+    """The stages for ``model`` with the user rules ``user`` (see :func:`~.compose.resolve_model_rules`).
+
+    Raises:
+        ConversionError: a built-in converter the user rules leave in place cannot be applied outside
+            ``from_pretrained`` (as for :func:`~modelpatch.load_converted_state_dict`).
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    user = user or ResolvedRules()
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # as revert_weight_conversion picks them for a model not loaded by from_pretrained
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+        conversions = [c for c in conversions if not isinstance(c, _tcml.PrefixChange)]
+    builtins, unsupported = [], []
+    for transform in conversions:
+        try:
+            builtins.append(as_modelpatch_rule(transform))
+        except TypeError:
+            unsupported.append(transform)
+    converters, renamings = _builtin_transforms(model, user)
+    return TransferRules(
+        builtins=builtins,
+        unsupported=unsupported,
+        rules=list(user.rules) + converters,
+        key_renamings=renamings,
+        user=user,
+        references=ReferenceShapes({}, model),
+    )
