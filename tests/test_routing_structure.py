@@ -375,7 +375,17 @@ def _documented_order() -> list[str]:
 def test_init_docstring_maps_every_module_top_down():
     order = _documented_order()
     assert sorted(order) == sorted(set(_modules()) - {"__init__"})
-    assert order == ["agreement", "session", "trace", "engine_arrays", "recompute", "layout", "sites", "kinds", "errors"]
+    assert order == [
+        "agreement",
+        "session",
+        "trace",
+        "engine_arrays",
+        "recompute",
+        "layout",
+        "sites",
+        "kinds",
+        "errors",
+    ]
 
 
 def test_each_module_imports_only_modules_below_it_not_even_inside_functions():

@@ -72,7 +72,9 @@ class Chunk(_tcml.ConversionOps):
             parameter shapes; at save: the shapes recorded from the checkpoint that was loaded, else those of the
             vanilla model), and only for intermediate, stacked targets (patterns containing ``*``) by an equal split.
 
-    Input: ``{source: Tensor[..., sum(sizes), ...]}``; output: ``{target_i: Tensor[..., sizes[i], ...]}`` (contiguous).
+    Input: ``{source: Tensor[..., sum(sizes), ...]}``; output: ``{target_i: Tensor[..., sizes[i], ...]}`` (views of
+    the input: the plan copies each *final* output once into its own contiguous storage, so a chain such as
+    ``Chunk`` + ``SplitModulelist`` copies the data once, not twice).
 
     Raises:
         ConversionError: the sizes do not add up to the tensor's size along ``dim``, or cannot be determined
@@ -124,8 +126,8 @@ class Chunk(_tcml.ConversionOps):
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, reference_shapes=None, **kw):
         tensor = _single_tensor(input_dict, repr(self))
         sizes = self._resolve_sizes(tensor, target_patterns, full_layer_name, reference_shapes)
-        pieces = torch.split(tensor, sizes, dim=self.dim)
-        return {target: piece.contiguous() for target, piece in zip(target_patterns, pieces)}
+        pieces = torch.split(tensor, sizes, dim=self.dim)  # views: the plan gives each final output its own copy
+        return dict(zip(target_patterns, pieces))
 
     @property
     def reverse_op(self) -> Concatenate:
@@ -177,11 +179,10 @@ class SplitModulelist(_tcml.SplitModulelist):
         return f"SplitModulelist(dim={self.dim})"
 
     def convert(self, input_dict, source_patterns, target_patterns, **kwargs):  # type: ignore[override]
-        # Own storage per piece: safetensors refuses tensors sharing memory, and a per-module parameter should not
-        # keep the whole stacked tensor alive.
+        # Views: the plan copies each final output into its own storage (safetensors refuses tensors sharing memory,
+        # and a per-module parameter must not keep the whole stacked tensor alive).
         with torch.no_grad():
-            pieces = super().convert(input_dict, source_patterns, target_patterns, **kwargs)  # type: ignore[call-arg]
-            return {name: piece.clone() for name, piece in pieces.items()}
+            return super().convert(input_dict, source_patterns, target_patterns, **kwargs)  # type: ignore[call-arg]
 
     @property
     def reverse_op(self) -> MergeModulelist:

@@ -129,6 +129,7 @@ def _run_group(group: _Group, collected: dict, reference_shapes, with_names: boo
         key = group.key if with_names else group.key[len(group.prefix) : len(group.key) - len(group.suffix)]
         return {key: tensors[0]}
     tensors = collected
+    sources = {_storage_ptr(t) for ts in collected.values() for t in ts} - {None}
     for op in rule.operations:
         try:
             tensors = op.convert(
@@ -147,7 +148,33 @@ def _run_group(group: _Group, collected: dict, reference_shapes, with_names: boo
                 f"{op!r} of {rule!r} failed on '{group.key}' (from {group.source_keys()}): {exc}"
             ) from exc
     prefix, suffix = (group.prefix, group.suffix) if with_names else ("", "")
-    return {prefix + k + suffix: (v[0] if isinstance(v, list) else v) for k, v in tensors.items()}
+    return {prefix + k + suffix: _own_storage(v[0] if isinstance(v, list) else v, sources) for k, v in tensors.items()}
+
+
+def _own_storage(tensor: torch.Tensor, sources: set[int]) -> torch.Tensor:
+    """``tensor`` if it is contiguous and alone in a storage no source uses, else a contiguous copy: operations may
+    return views (a ``Chunk`` followed by a ``SplitModulelist`` copies the data once, here), but a converted tensor
+    must neither pin a larger tensor (a parameter holding one expert of a stacked tensor) nor share memory with
+    another (safetensors refuses it)."""
+    pointer = _storage_ptr(tensor)
+    if pointer is None:  # meta, or a tensor subclass without storage (quantized weights): left to its own ops
+        return tensor
+    if (
+        tensor.is_contiguous()
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        and pointer not in sources
+    ):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _storage_ptr(tensor) -> int | None:
+    """Address of ``tensor``'s storage, ``None`` for meta tensors and tensor subclasses without one."""
+    if not isinstance(tensor, torch.Tensor) or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if tensor.device.type == "meta":
+        return None
+    return tensor.untyped_storage().data_ptr()
 
 
 class _GroupRunner:
