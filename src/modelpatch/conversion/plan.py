@@ -151,7 +151,7 @@ def _run_group(group: _Group, collected: dict, reference_shapes, with_names: boo
     return {prefix + k + suffix: _own_storage(v[0] if isinstance(v, list) else v, sources) for k, v in tensors.items()}
 
 
-def _own_storage(tensor: torch.Tensor, sources: set[int]) -> torch.Tensor:
+def _own_storage(tensor: torch.Tensor, sources: set[int | None]) -> torch.Tensor:
     """``tensor`` if it is contiguous and alone in a storage no source uses, else a contiguous copy: operations may
     return views (a ``Chunk`` followed by a ``SplitModulelist`` copies the data once, here), but a converted tensor
     must neither pin a larger tensor (a parameter holding one expert of a stacked tensor) nor share memory with
