@@ -248,3 +248,26 @@ def test_generate_trace_equals_routes_of_the_generated_sequence(family):
     assert trace.sequence_lengths == [out.shape[1] - 1]
     for layer in trace.layers:
         assert torch.equal(trace[layer][0], full[layer][0][:-1])
+
+
+def test_routers_added_or_replaced_after_first_use_are_recorded_and_replayed():
+    from routing_models import ExpertsObserver
+
+    model = tiny_model("deepseek_v3", num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), record_routing(model) as first:
+        model(ids)
+    assert first.layers == (1, 2)
+    model.model.layers[0].mlp = copy.deepcopy(model.model.layers[1].mlp)  # upcycled: layer 0 becomes MoE
+    model.model.layers[2].mlp = copy.deepcopy(model.model.layers[1].mlp)  # layer 2's block replaced
+    with torch.no_grad(), record_routing(model) as trace:
+        model(ids)
+    assert trace.layers == (0, 1, 2)  # the cached discovery of the first block missed layer 0 before
+    perturb_routers(model, seed=4)
+    with torch.no_grad(), ExpertsObserver(model) as seen, replay_routing(model, trace):
+        model(ids)
+    for layer in (0, 1, 2):
+        assert torch.equal(seen.indices(layer).sort(-1).values, trace[layer][0].sort(-1).values)
+    with pytest.raises(RoutingTraceError, match=r"trace MoE layers \[1, 2\] do not match .* \[0, 1, 2\]"):
+        with replay_routing(model, first):
+            pass

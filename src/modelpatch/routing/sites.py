@@ -100,9 +100,10 @@ def find_router_sites(model: nn.Module) -> tuple[list[RouterSite], str, int]:
     cached = _SITES_CACHE.get(model)
     if cached is not None:
         sites = cached[0]
-        try:  # still the same routers at the same places (cheap: one lookup per router)?
+        try:  # still the same routers at the same places, and no other router (one walk, no names)?
             if all(model.get_submodule(s.name) is s.module and _router_base(type(s.module)) for s in sites):
-                return list(sites), cached[1], cached[2]
+                if sum(1 for m in model.modules() if _router_base(type(m)) is not None) == len(sites):
+                    return list(sites), cached[1], cached[2]
         except AttributeError:
             pass
     result = _discover(model)
