@@ -18,7 +18,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 sys.path.insert(0, str(Path(__file__).parent))
 from modelpatch.routing import find_router_sites, record_routing, replay_routing  # noqa: E402
 from modelpatch.routing.kinds import UNSUPPORTED_FAMILIES  # noqa: E402
-from routing_models import ExpertsObserver, perturb_routers, router_weight, tiny_config  # noqa: E402
+from routing_models import EMBEDS_INPUT, ExpertsObserver, perturb_routers, router_weight, tiny_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -120,6 +120,29 @@ def moe_families() -> dict[str, str | None]:
     return out
 
 
+def _model_class(config_class: type) -> type:
+    """The model class of a config that no auto class maps: the one model class of the config's modeling module
+    declaring that exact config class (a causal LM if there is one)."""
+    import importlib
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    modeling = importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
+    found = [
+        c
+        for name, c in vars(modeling).items()
+        if inspect.isclass(c)
+        and issubclass(c, PreTrainedModel)
+        and getattr(c, "config_class", None) is config_class
+        and not name.endswith("PreTrainedModel")
+    ]
+    found.sort(key=lambda c: not c.__name__.endswith("ForCausalLM"))
+    if not found:
+        raise ValueError(f"no model class in {modeling.__name__} declares config {config_class.__name__}")
+    return found[0]
+
+
 def _build(model_type: str):
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -128,7 +151,10 @@ def _build(model_type: str):
     try:
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     except ValueError:
-        model = AutoModel.from_config(cfg, attn_implementation="eager")
+        try:
+            model = AutoModel.from_config(cfg, attn_implementation="eager")
+        except ValueError:  # a sub-config with no auto class (the text model of a composite): its own model class
+            model = _model_class(type(cfg))._from_config(cfg, attn_implementation="eager")
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__.endswith(("Router", "Gate", "Gating")) and hasattr(module, "top_k"):
@@ -149,6 +175,20 @@ def _why(e: BaseException, n: int = 120) -> str:
     return f"{type(e).__name__}: {first[:n]}"
 
 
+def _inputs(model_type: str, model) -> dict:
+    """A batch of 2 sequences of 6 tokens for ``model``: token ids, embeddings for the models fed hidden states,
+    or image patches for a vision encoder."""
+    g = torch.Generator().manual_seed(0)
+    config = model.config
+    if "vision" in model_type:  # (patches, channels * patch * patch) with the patch grid of each image
+        grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
+        width = config.num_channels * config.patch_size**2
+        return {"pixel_values": torch.randn(int(grid.prod(-1).sum()), width, generator=g), "grid_thw": grid}
+    if model_type in EMBEDS_INPUT:
+        return {"inputs_embeds": torch.randn(2, 6, config.hidden_size, generator=g)}
+    return {"input_ids": torch.randint(3, min(100, config.get_text_config().vocab_size), (2, 6), generator=g)}
+
+
 def check_family(model_type: str) -> tuple[bool, str, str]:
     """Build a tiny model, record, perturb the routers, replay, and compare the experts actually used (observed
     by a hook on the experts modules) with the trace. Returns ``(supported, router class, reason)``."""
@@ -161,13 +201,11 @@ def check_family(model_type: str) -> tuple[bool, str, str]:
     except Exception as e:  # noqa: BLE001
         return False, "-", _why(e)
     router = type(sites[0].module).__name__
-    ids = torch.randint(
-        3, min(100, model.config.get_text_config().vocab_size), (2, 6), generator=torch.Generator().manual_seed(0)
-    )
+    inputs = _inputs(model_type, model)
     try:
         with torch.no_grad():
             with ExpertsObserver(model) as seen, record_routing(model) as trace:
-                model(ids)
+                model(**inputs)
             if not seen.calls:
                 return False, router, "no experts module taking (hidden, top_k_index, top_k_weights) to observe"
             for layer in trace.layers:
@@ -175,7 +213,7 @@ def check_family(model_type: str) -> tuple[bool, str, str]:
                     return False, router, f"layer {layer}: recorded indices differ from the experts' inputs"
             perturb_routers(model)
             with ExpertsObserver(model) as seen, replay_routing(model, trace):
-                model(ids)
+                model(**inputs)
             for layer in trace.layers:
                 if not _same(seen.indices(layer), torch.cat(trace[layer])):
                     return False, router, f"layer {layer}: replayed experts differ from the trace"
