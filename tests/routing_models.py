@@ -95,6 +95,8 @@ _PER_FAMILY = {
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
     "qwen2_moe": dict(decoder_sparse_step=1, mlp_only_layers=[]),
     "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[]),
+    # a hash-routed layer (experts looked up by token id), then a learned top-k one
+    "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
     # attribute_map names n_group `num_expert_group`: with 8 groups of one expert its top-2 per group has no room
     "bailing_hybrid": dict(num_expert_group=2, topk_group=1),
     # the multimodal RoPE splits the rotary half (head_dim 16 * partial 0.5 / 2 = 4) into time, height, width
@@ -251,10 +253,22 @@ def router_weight(module: torch.nn.Module) -> torch.Tensor:
     return next(p for p in module.parameters() if p.dim() == 2)
 
 
+def fill_hash_table(router: torch.nn.Module, seed: int = 0) -> None:
+    """Give a hash router (DeepSeek-V4) what a checkpoint gives it: ``tid2eid`` rows of distinct expert ids (a
+    new model has zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, k = router.tid2eid.shape
+    rows = [torch.randperm(router.num_experts, generator=g)[:k] for _ in range(vocab)]
+    router.tid2eid.copy_(torch.stack(rows))
+
+
 def perturb_routers(model: torch.nn.Module, seed: int = 1, scale: float = 2.0) -> None:
+    """Move every router's weights (and shift the expert ids of hash routers' tables) so natural routing differs."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__.endswith(("Router", "Gate", "Gating")) and hasattr(module, "top_k"):
                 w = router_weight(module)
                 w.add_(torch.randn(w.shape, generator=g) * scale)
+                if isinstance(getattr(module, "tid2eid", None), torch.Tensor):
+                    module.tid2eid.copy_((module.tid2eid + 1) % module.num_experts)
