@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -93,7 +95,65 @@ _PER_FAMILY = {
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
     "qwen2_moe": dict(decoder_sparse_step=1, mlp_only_layers=[]),
     "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[]),
+    # a hash-routed layer (experts looked up by token id), then a learned top-k one
+    "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
+    # attribute_map names n_group `num_expert_group`: with 8 groups of one expert its top-2 per group has no room
+    "bailing_hybrid": dict(num_expert_group=2, topk_group=1),
+    # the multimodal RoPE splits the rotary half (head_dim 16 * partial 0.5 / 2 = 4) into time, height, width
+    "glm4v_moe_text": dict(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+        }
+    ),
+    "hy_v4_vl_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
+    # text and vision experts have their own widths
+    # and the 3-D RoPE splits the 8 rotary frequencies (head_dim 16 / 2) into height + width, then time
+    "ernie4_5_vl_moe_text": dict(
+        moe_intermediate_size=[32, 32],
+        mlp_layer_types=["dense", "sparse"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]},
+    ),
+    # DSA attention is NoPE; the indexer selects tokens in blocks of index_kpool
+    "glm5_next_text": dict(
+        qk_rope_head_dim=0,
+        index_topk=8,
+        index_kpool=4,
+        index_head_dim=16,
+        index_n_heads=2,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        mlp_layer_types=["dense", "sparse"],
+    ),
+    # one convolution layer, one attention layer; the first num_dense_layers layers have a dense MLP
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # the QSA indexer of indexed-attention layers
+    "qwen4_exp_text": dict(
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2
+    ),
+    "step3p5": dict(mlp_layer_types=["dense", "sparse"], share_expert_dim=32, sliding_window=16),
+    # its eager attention has no key/value head repetition: as many key/value heads as query heads
+    "unlimited_ocr_text": dict(num_key_value_heads=4),
+    # a top-1 router (over the experts and a compute-free skip expert)
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=32),
+    "dots3_note_vision_encoder": dict(adapter_in_dim=64, adapter_out_dim=64),
 }
+
+# Keyword arguments passed as they are, whether or not the default config has them as fields: arguments its
+# __post_init__ reads and does not keep, and attributes its modeling code reads that the config class does not
+# declare (real checkpoints carry them in config.json).
+_UNDECLARED = {
+    # experts per layer come from the pyramid of routed-expert counts (-1: dense layer)
+    "dots3_note_vision_encoder": dict(pyramid_num_routed=[-1, 8]),
+    "qwen3_omni_moe_talker_text": dict(shared_expert_intermediate_size=32),
+}
+
+
+# Models fed hidden states rather than token ids: Qwen3-Omni's talker reads the thinker's (its forward embeds
+# input_ids with an `embed_tokens` it does not have; its token embedding is `codec_embedding`).
+EMBEDS_INPUT = {"qwen3_omni_moe_talker_text"}
 
 
 def tiny_config(model_type: str, **overrides):
@@ -121,6 +181,7 @@ def tiny_config(model_type: str, **overrides):
     kwargs.update(
         {k: v for k, v in _PER_FAMILY.get(model_type, {}).items() if k in default.to_dict() or k == "layer_types"}
     )
+    kwargs.update(_UNDECLARED.get(model_type, {}))
     kwargs.update(overrides)
     cfg = cls(**kwargs)
     cfg._attn_implementation = "eager"
@@ -147,12 +208,9 @@ class ExpertsObserver:
         self._handles = []
         for name, module in model.named_modules():
             cls = type(module).__name__
-            if (
-                cls.endswith("Experts")
-                and not name.rsplit(".", 1)[-1].startswith("shared")
-                and ".layers." in f".{name}"
-            ):
-                layer = int(name.split("layers.")[1].split(".")[0])
+            layer = re.search(r"\.(\d+)\.", f".{name}")  # index in the stack of decoder layers (or blocks)
+            if cls.endswith("Experts") and not name.rsplit(".", 1)[-1].startswith("shared") and layer:
+                layer = int(layer.group(1))
                 self._handles.append(module.register_forward_pre_hook(self._hook(layer), with_kwargs=True))
 
     def _hook(self, layer):
@@ -195,10 +253,22 @@ def router_weight(module: torch.nn.Module) -> torch.Tensor:
     return next(p for p in module.parameters() if p.dim() == 2)
 
 
+def fill_hash_table(router: torch.nn.Module, seed: int = 0) -> None:
+    """Give a hash router (DeepSeek-V4) what a checkpoint gives it: ``tid2eid`` rows of distinct expert ids (a
+    new model has zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, k = router.tid2eid.shape
+    rows = [torch.randperm(router.num_experts, generator=g)[:k] for _ in range(vocab)]
+    router.tid2eid.copy_(torch.stack(rows))
+
+
 def perturb_routers(model: torch.nn.Module, seed: int = 1, scale: float = 2.0) -> None:
+    """Move every router's weights (and shift the expert ids of hash routers' tables) so natural routing differs."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__.endswith(("Router", "Gate", "Gating")) and hasattr(module, "top_k"):
                 w = router_weight(module)
                 w.add_(torch.randn(w.shape, generator=g) * scale)
+                if isinstance(getattr(module, "tid2eid", None), torch.Tensor):
+                    module.tid2eid.copy_((module.tid2eid + 1) % module.num_experts)

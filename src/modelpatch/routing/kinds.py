@@ -23,6 +23,15 @@ Kinds:
     step forced, so the threshold is taken relative to the forced expert's score (for natural indices this is
     the original computation bit for bit; for forced ones the forced expert is never masked out, its weight is
     > 0 and gradients reach the router).
+
+``HASH_LOOKUP`` (:class:`HashLookupSelection`)
+    DeepSeek-V4's hash routers (``DeepseekV4HashRouter``, the ``"hash_moe"`` layers): the experts are a lookup
+    ``tid2eid[input_ids]`` in a frozen token-id -> expert-ids table, the learned gate only weights them. As for
+    ``TOPK``, the family's ``forward`` runs unchanged; a :class:`~torch.overrides.TorchFunctionMode` swaps the
+    result of that one lookup (an indexing of the router's own table, found by identity) for the forced ids, and
+    the family gathers and normalises their scores. Recording reads the lookup. The routes of such a layer depend
+    only on the token ids and the table, so replay differs from natural routing only where the table or the
+    tokens changed.
 """
 
 from __future__ import annotations
@@ -39,11 +48,15 @@ __all__ = [
     "RouterKind",
     "TopKSelection",
     "SparseMixerSelection",
+    "HashLookupSelection",
     "TOPK",
     "SPARSEMIXER",
+    "HASH_LOOKUP",
     "FAMILY_KINDS",
+    "ROUTER_KINDS",
     "UNSUPPORTED_FAMILIES",
     "kind_for_family",
+    "kind_for_router",
     "RouterContractError",
 ]
 
@@ -204,8 +217,65 @@ class SparseMixerSelection(RouterKind):
         return router_logits, weights, selected
 
 
+class _TableLookupMode(TorchFunctionMode):
+    def __init__(self, table: torch.Tensor, forced: torch.Tensor | None):
+        super().__init__()
+        self.table = table
+        self.forced = forced
+        self.indices: torch.Tensor | None = None
+        self.hits = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and args and args[0] is self.table:
+            self.hits += 1
+            out = func(*args, **kwargs)
+            if self.forced is None:
+                self.indices = out.long()
+                return out
+            if self.forced.shape != out.shape:
+                raise RouterContractError(
+                    f"expected forced indices of shape {tuple(out.shape)} (tokens, top_k), "
+                    f"received {tuple(self.forced.shape)}"
+                )
+            self.indices = _merge_forced(out.long(), self.forced)
+            return self.indices.to(out.dtype)
+        return func(*args, **kwargs)
+
+
+class HashLookupSelection(RouterKind):
+    """Routers whose experts are one lookup in a token-id -> expert-ids table (see module docstring).
+
+    Args:
+        table: name of the router's buffer holding the table, ``(vocab_size, top_k)`` of expert ids.
+    """
+
+    name = "hash-lookup"
+
+    def __init__(self, table: str) -> None:
+        self.table = table
+
+    def call(self, site, forward, args, kwargs, forced, sink):
+        table = getattr(site.module, self.table, None)
+        if not isinstance(table, torch.Tensor):
+            raise RouterContractError(
+                f"layer {site.layer_idx} ({type(site.module).__name__}): no {self.table!r} table of expert ids"
+            )
+        mode = _TableLookupMode(table, forced)
+        with mode:
+            out = forward(*args, **kwargs)
+        if mode.hits != 1:
+            raise RouterContractError(
+                f"layer {site.layer_idx} ({type(site.module).__name__}): expected exactly one lookup in its "
+                f"{self.table!r} table in the router forward, saw {mode.hits}"
+            )
+        sink(mode.indices)
+        return out
+
+
 TOPK = TopKSelection()
 SPARSEMIXER = SparseMixerSelection()
+HASH_LOOKUP = HashLookupSelection("tid2eid")
 
 #: Family (Transformers ``model_type`` of the modeling module defining the router class) -> router kind.
 #: Families not listed use ``TOPK``; the coverage test (tests/test_routing_coverage.py) checks every family of
@@ -242,13 +312,35 @@ FAMILY_KINDS: dict[str, RouterKind] = {
     "phimoe": SPARSEMIXER,
 }
 
+#: Router classes (Transformers class name) whose kind differs from the rest of their family; takes precedence over
+#: :data:`FAMILY_KINDS`.
+ROUTER_KINDS: dict[str, RouterKind] = {
+    # DeepSeek-V4: "hash_moe" layers look their experts up by token id; its other MoE layers are TOPK
+    "DeepseekV4HashRouter": HASH_LOOKUP,
+}
+
 #: Families whose router is not a top-k router at all (reason shown in the support table).
 UNSUPPORTED_FAMILIES: dict[str, str] = {
     "switch_transformers": "top-1 arg-max router with expert capacity (token dropping), no top-k",
     "nllb_moe": "top-2 router with expert capacity and random second-expert policy, no top-k",
+    "doge": (
+        "product-key expert retrieval inside DogeCDMoE, no router module: experts are a top-k over the sums of "
+        "two top-k's over key halves, and the router logits are split along the token axis (view(2, tokens, -1)), "
+        "so a token's experts depend on other tokens of the batch"
+    ),
+    "zaya": (
+        "top-1 over num_experts + 1 classes of (batch, seq, classes) scores, the last class a compute-free skip "
+        "expert that the router masks to expert 0 with weight 0: a route would have to record the skip class"
+    ),
 }
 
 
 def kind_for_family(family: str) -> RouterKind:
     """Router kind for a Transformers ``model_type`` (``TOPK`` unless listed in :data:`FAMILY_KINDS`)."""
     return FAMILY_KINDS.get(family, TOPK)
+
+
+def kind_for_router(router_class: str, family: str) -> RouterKind:
+    """Router kind for a Transformers router class of ``family``: :data:`ROUTER_KINDS`, else
+    :func:`kind_for_family`."""
+    return ROUTER_KINDS.get(router_class) or kind_for_family(family)

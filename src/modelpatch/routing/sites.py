@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .errors import RoutingDiscoveryError
-from .kinds import RouterKind, kind_for_family
+from .kinds import UNSUPPORTED_FAMILIES, RouterKind, kind_for_router
 
 __all__ = ["RouterSite", "find_router_sites", "RoutingDiscoveryError"]
 
@@ -95,7 +95,8 @@ def find_router_sites(model: nn.Module) -> tuple[list[RouterSite], str, int]:
 
     Raises:
         RoutingDiscoveryError: no router found, routers spread over several layer stacks, two routers in the
-            same decoder layer, or a router whose number of experts / top-k cannot be read.
+            same decoder layer, a router whose number of experts / top-k cannot be read, or a family listed in
+            :data:`~modelpatch.routing.kinds.UNSUPPORTED_FAMILIES` (the message gives the reason).
     """
     cached = _SITES_CACHE.get(model)
     if cached is not None:
@@ -140,9 +141,17 @@ def _discover(model: nn.Module) -> tuple[list[RouterSite], str, int]:
                 f"(looked for {_EXPERT_ATTRS} and {_TOP_K_ATTRS})"
             )
         family = _family_of(base)
+        if family in UNSUPPORTED_FAMILIES:
+            raise RoutingDiscoveryError(
+                f"router {name!r} ({base.__name__}) is not supported: {UNSUPPORTED_FAMILIES[family]}"
+            )
         stacks.add(m.group("stack"))
-        sites.append(RouterSite(name, module, int(m.group("idx")), num_experts, top_k, family, kind_for_family(family)))
+        kind = kind_for_router(base.__name__, family)
+        sites.append(RouterSite(name, module, int(m.group("idx")), num_experts, top_k, family, kind))
     if not sites:
+        family = _family_of(type(model))
+        if family in UNSUPPORTED_FAMILIES:
+            raise RoutingDiscoveryError(f"{type(model).__name__} is not supported: {UNSUPPORTED_FAMILIES[family]}")
         raise RoutingDiscoveryError(
             f"{type(model).__name__} has no top-k router module (a Transformers class named *Router, or *Gate / "
             "*Gating with top_k and num_experts attributes)"
@@ -152,7 +161,10 @@ def _discover(model: nn.Module) -> tuple[list[RouterSite], str, int]:
     sites.sort(key=lambda s: s.layer_idx)
     for a, b in zip(sites, sites[1:]):
         if a.layer_idx == b.layer_idx:
-            raise RoutingDiscoveryError(f"two routers in decoder layer {a.layer_idx}: {a.name!r} and {b.name!r}")
+            raise RoutingDiscoveryError(
+                f"two routers in decoder layer {a.layer_idx} ({a.name!r} and {b.name!r}): a routing trace holds the "
+                "routes of one router per decoder layer (keyed by layer index)"
+            )
     stack_name = stacks.pop()
     stack = model.get_submodule(stack_name)
     num_layers = len(stack) if isinstance(stack, (nn.ModuleList, nn.Sequential)) else sites[-1].layer_idx + 1
