@@ -236,7 +236,10 @@ def _moe():
 
 
 # batch 2 everywhere: Dynamo specialises sizes 0 and 1 even with dynamic=True
-_IDS = [torch.tensor([[1, 5, 9, 17, 33], [2, 6, 10, 18, 34]]), torch.tensor([[3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3]])]
+_IDS = [
+    torch.tensor([[1, 5, 9, 17, 33], [2, 6, 10, 18, 34]]),
+    torch.tensor([[3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3]]),
+]
 _MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
 
 

@@ -113,7 +113,7 @@ class FusedQKVAttention(nn.Module):
         family = self.family
         owner = next(c for c in type(self).__mro__ if "family" in c.__dict__)  # through dynamic subclasses (FSDP2)
         if "modeling" not in owner.__dict__:
-            owner.modeling = family.module
+            setattr(owner, "modeling", family.module)  # noqa: B010 - ``owner`` is a plain ``type`` to mypy
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,8 +1,10 @@
 """`record_routing` / `replay_routing`: drive the routers of one model instance for the length of a block.
 
 Nothing is installed on classes or module globals. On entry each router module of the model gets an
-instance-level ``forward`` that delegates to its original one (through its router kind, see
-:mod:`modelpatch.routing.kinds`), the module owning the decoder layers gets a forward pre-hook and hook
+instance-level ``forward`` (one module-level function bound to the router, the same for every block, so that
+``torch.compile`` recompiles once for a driven model, not per block) that delegates to its original one (through
+its router kind, see :mod:`modelpatch.routing.kinds`; under ``torch.compile`` through the operators of
+:mod:`modelpatch.routing.compiled`), the module owning the decoder layers gets a forward pre-hook and hook
 that read the batch layout, and the checkpoint functions of the routers' ancestors (Transformers'
 ``_gradient_checkpointing_func``, ``CheckpointWrapper.checkpoint_fn``) are wrapped per instance so that every
 checkpointed call carries its own routes to its recomputation (:mod:`modelpatch.routing.recompute`). Every such
@@ -98,7 +100,8 @@ def _owner_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     if torch.compiler.is_compiling():
         compiled_owner_pre_forward(getattr(module, _COMPILED), args, kwargs)
         return None
-    return HANDLERS[id(module)]._pre_forward(module, args, kwargs)
+    HANDLERS[id(module)]._pre_forward(module, args, kwargs)
+    return None
 
 
 def _owner_post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
