@@ -155,7 +155,8 @@ def _experts_model(dispatch: str | None = None):
 
 
 def _run_lengths(model, compiled, backward: bool = True) -> tuple[float, float]:
-    """Max output and gradient differences, compiled vs eager, over :data:`_LENGTHS` (batch 2)."""
+    """Max output and gradient differences, compiled vs eager, over :data:`_LENGTHS` (batch 2; gradients at the
+    first and last length, which is enough to see the backward graph is not recompiled either)."""
     gen = torch.Generator().manual_seed(0)
     out_diff = grad_diff = 0.0
     for length in _LENGTHS:
@@ -163,7 +164,7 @@ def _run_lengths(model, compiled, backward: bool = True) -> tuple[float, float]:
         out = compiled(input_ids=ids).logits
         ref = model(input_ids=ids).logits
         out_diff = max(out_diff, (out - ref).abs().max().item())
-        if backward:
+        if backward and length in (_LENGTHS[0], _LENGTHS[-1]):
             compiled(input_ids=ids).logits.square().mean().backward()
             got = _grads(model)
             model(input_ids=ids).logits.square().mean().backward()
@@ -299,7 +300,7 @@ def test_record_on_a_model_compiled_inside_the_block():
     model = _moe()
     with record_routing(model) as want:
         _forwards(model)
-    rec = Recorder()
+    rec = Recorder("eager")  # Dynamo only: the operators under AOTAutograd are covered by the test above
     with record_routing(model) as got:
         compiled = torch.compile(model, backend=rec, fullgraph=True, dynamic=True)
         _forwards(compiled)
