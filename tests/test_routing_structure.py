@@ -116,7 +116,13 @@ def test_blocks_leave_router_and_experts_modules_exactly_as_before(what, fails):
             with torch.no_grad(), record_routing(model) as rec:
                 model(_IDS, output_router_logits=True)
                 inside = [set(r.__dict__) - set(d) for r, d in zip(_routers(model), router_dicts)]
-                assert inside == [{"forward", "_modelpatch_routing_session"}] * 2  # driven per instance...
+                driven = {
+                    "forward",
+                    "_modelpatch_routing_session",
+                    "_modelpatch_routing_original",
+                    "_modelpatch_routing_compiled",
+                }
+                assert inside == [driven] * 2  # driven per instance...
                 assert "generate" in model.__dict__
                 if fails:
                     raise KeyError("boom")
@@ -378,6 +384,7 @@ def test_init_docstring_maps_every_module_top_down():
     assert order == [
         "agreement",
         "session",
+        "compiled",
         "trace",
         "engine_arrays",
         "recompute",

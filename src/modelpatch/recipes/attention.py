@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch.nn as nn
@@ -64,8 +65,9 @@ class AttentionFamily:
     window: str = NO_WINDOW
 
     @property
-    def module(self):
-        """The family's modeling module (imported on first use)."""
+    def module(self) -> ModuleType:
+        """The family's modeling module (imported on each access: :class:`FusedQKVAttention` resolves it once
+        per class, in its first ``__init__``, so that ``forward`` stays traceable by ``torch.compile``)."""
         return importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
 
 
@@ -100,10 +102,18 @@ class FusedQKVAttention(nn.Module):
     """
 
     family: ClassVar[AttentionFamily]
+    modeling: ClassVar[ModuleType]
+    """The family's modeling module, set on the family class by its first ``__init__``. ``forward`` reads
+    ``apply_rotary_pos_emb`` / ``eager_attention_forward`` from it at each call, as the original reads its
+    module globals (so kernels patched into that module later are used too), without an import per call, which
+    ``torch.compile`` cannot trace. A class attribute, not an instance one: instances stay picklable."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
         family = self.family
+        owner = next(c for c in type(self).__mro__ if "family" in c.__dict__)  # through dynamic subclasses (FSDP2)
+        if "modeling" not in owner.__dict__:
+            setattr(owner, "modeling", family.module)  # noqa: B010 - ``owner`` is a plain ``type`` to mypy
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -116,7 +126,7 @@ class FusedQKVAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=family.qkv_bias(config))
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=family.o_bias(config))
         if family.qk_norm is not None:
-            norm = getattr(family.module, family.qk_norm)
+            norm = getattr(self.modeling, family.qk_norm)
             self.q_norm = norm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, eps=config.rms_norm_eps)
         sliding = _layer_type(config, layer_idx) == "sliding_attention"
@@ -133,7 +143,7 @@ class FusedQKVAttention(nn.Module):
         return {}
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        module = self.family.module
+        module = self.modeling
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query, key, value = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

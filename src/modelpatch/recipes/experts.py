@@ -19,6 +19,26 @@ save the rules run backwards (``MergeModulelist`` + ``Concatenate``), so that la
 ``forward(hidden_states (N, H), top_k_index (N, k) long, top_k_weights (N, k)) -> (N, H)`` follows the original
 loop (experts visited in index order, the index ``E`` used as padding is skipped), so outputs equal the fused
 original within fp32 rounding.
+
+Under ``torch.compile`` the forward takes one of two formulations, chosen by the instance attribute
+``compiled_dispatch`` (class default ``"sparse"``); both call every expert's own ``nn.Linear`` modules (hooks,
+quantised weights and PEFT wrappers see each call) and equal the eager forward within fp32 rounding (outputs and
+gradients within 1e-5):
+
+- ``"sparse"``: a fixed loop over all ``E`` experts, expert ``e`` applied to exactly the tokens routed to it
+  (``torch.where(top_k_index == e)``), weighted and summed with ``index_add_`` as in eager. The number of those
+  tokens depends on the routing, so the graph is whole only with
+  ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``: then 0 graph breaks and, with
+  ``torch.compile(..., dynamic=True)`` (or ``mark_dynamic`` on the sequence dimension), no recompilation per
+  sequence length. Without that option the remaining breaks are the ``nonzero`` behind each ``torch.where``
+  (Dynamo's "Dynamic shape operator", one per expert, plus the frames above it that Dynamo splits there
+  unless ``torch._dynamo.config.nested_graph_breaks`` is set); ``fullgraph=True`` then fails. Transformers'
+  own fused experts avoid this with a ``grouped_mm`` over stacked weights (and a custom operator on CPU), which
+  per-expert modules cannot use without bypassing the modules.
+- ``"dense"``: every expert applied to every token, multiplied by its routing weight (0 where the token is not
+  routed to it): static shapes, 0 graph breaks without any option, but ``E / k`` times the expert FLOPs and
+  activations — for small expert counts, or to get ``fullgraph=True`` without changing Dynamo's configuration.
+  A non-finite expert output on a token not routed to that expert would turn into NaN (``0 * inf``).
 """
 
 from __future__ import annotations
@@ -31,9 +51,18 @@ import torch.nn as nn
 from transformers.activations import ACT2FN
 
 from ..conversion import Chunk, SplitModulelist, WeightConverter, WeightRenaming
+from ..errors import ModelpatchValueError
 from .base import Recipe, RuleSpec
 
-__all__ = ["ExpertsFamily", "ExpertMLP", "LinearExperts", "LINEAR_EXPERTS_CLASSES", "linear_experts_recipe", "FAMILIES"]
+__all__ = [
+    "ExpertsFamily",
+    "ExpertMLP",
+    "LinearExperts",
+    "LINEAR_EXPERTS_CLASSES",
+    "COMPILED_DISPATCHES",
+    "linear_experts_recipe",
+    "FAMILIES",
+]
 
 
 @dataclass(frozen=True)
@@ -89,10 +118,19 @@ class ExpertMLP(nn.Module):
         return down(self.act_fn(gate(x)) * up(x))
 
 
+COMPILED_DISPATCHES = ("sparse", "dense")
+"""Values of :attr:`LinearExperts.compiled_dispatch` (see the module docstring)."""
+
+
 class LinearExperts(nn.ModuleList):
-    """``E`` :class:`ExpertMLP` modules replacing a fused ``<Family>Experts``; built with its ``(config)``."""
+    """``E`` :class:`ExpertMLP` modules replacing a fused ``<Family>Experts``; built with its ``(config)``.
+
+    ``compiled_dispatch`` (``"sparse"`` or ``"dense"``; set it on an instance to change one layer) chooses the
+    formulation traced by ``torch.compile``; eager calls always run the sparse loop over the experts hit.
+    """
 
     family: ClassVar[ExpertsFamily]
+    compiled_dispatch: str = "sparse"
 
     def __init__(self, config):
         super().__init__()
@@ -106,6 +144,22 @@ class LinearExperts(nn.ModuleList):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        """``hidden_states (N, H)``, ``top_k_index (N, k)`` long (``E`` = no expert), ``top_k_weights (N, k)``
+        -> ``(N, H)`` in ``hidden_states.dtype``.
+
+        Raises:
+            ModelpatchValueError: ``compiled_dispatch`` is not one of :data:`COMPILED_DISPATCHES` (under
+                ``torch.compile``).
+        """
+        if torch.compiler.is_compiling():
+            dispatch = self.compiled_dispatch
+            if dispatch == "sparse":
+                return self._sparse_static(hidden_states, top_k_index, top_k_weights)
+            if dispatch == "dense":
+                return self._dense(hidden_states, top_k_index, top_k_weights)
+            raise ModelpatchValueError(
+                f"{type(self).__name__}.compiled_dispatch={dispatch!r}: expected one of {COMPILED_DISPATCHES}"
+            )
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -116,6 +170,30 @@ class LinearExperts(nn.ModuleList):
             top_k_pos, token_idx = torch.where(mask[expert_idx])
             out = self[expert_idx](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def _sparse_static(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The eager loop over a fixed range of experts (no ``tolist``, no skip): each expert sees exactly its
+        tokens, in the eager order (by top-k slot, then token), possibly none."""
+        final = torch.zeros_like(hidden_states)
+        by_slot = top_k_index.t()  # (k, N): torch.where yields slot-major order, as the eager one-hot mask does
+        for expert_idx, expert in enumerate(self):
+            top_k_pos, token_idx = torch.where(by_slot == expert_idx)
+            out = expert(hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def _dense(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every token times its routing weight (exactly the token's weight when routed to it,
+        else 0, so the sum is the eager one): static shapes."""
+        final = torch.zeros_like(hidden_states)
+        for expert_idx, expert in enumerate(self):
+            weight = (top_k_weights * (top_k_index == expert_idx)).sum(dim=-1, keepdim=True)
+            final += (expert(hidden_states) * weight).to(final.dtype)
         return final
 
 

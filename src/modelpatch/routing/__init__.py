@@ -15,6 +15,8 @@ function).
   :func:`routing_drift` of a model against a trace, :class:`RoutingAgreement`.
 - ``session`` — the two context managers; the record session, the replay session and the generate guard over
   their shared driver, which patches router instances for the length of a block through an ``UndoStack``.
+- ``compiled`` — record and replay inside ``torch.compile`` graphs: the per-forward bookkeeping as ordered
+  custom operators (layout, route, end) run by the compiled graph, so blocks add no graph break.
 - ``trace`` — :class:`RoutingTrace`: compact storage, public reading/appending methods, safetensors files, and
   the conversions from and to engine arrays.
 - ``engine_arrays`` — engine routed-experts arrays to per-layer routes and back, on plain tensors.

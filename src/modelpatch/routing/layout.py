@@ -70,12 +70,15 @@ def _past_length(past) -> int:
     return 0
 
 
-def layout_from_call(module: torch.nn.Module, args: tuple, kwargs: dict, sig=None) -> ForwardLayout:
+def layout_from_call(
+    module: torch.nn.Module, args: tuple, kwargs: dict, sig=None, *, past: int | None = None
+) -> ForwardLayout:
     """Layout of the tokens of one call of the decoder-stack owner ``module`` (e.g. ``Qwen3MoeModel``).
 
     Reads ``input_ids`` (B, S) or ``inputs_embeds`` (B, S, H), a 2-D ``attention_mask`` (B, past + S)
     (1 = real token), ``position_ids`` (B, S) or (n, B, S), ``past_key_values`` (``cache`` from Transformers
-    5.24) / ``cache_position``.
+    5.24) / ``cache_position``. ``past`` (positions already cached), when given, is used instead of reading the
+    cache (the compiled path reads it while tracing).
     """
     sig = sig or _signature_binder(module)
     bound = dict(kwargs)
@@ -98,8 +101,9 @@ def layout_from_call(module: torch.nn.Module, args: tuple, kwargs: dict, sig=Non
         )
     bsz, seq_len = int(ref.shape[0]), int(ref.shape[1])
     # the KV cache argument is `past_key_values` up to Transformers 5.23 and `cache` from 5.24 on
-    cache = bound.get("past_key_values")
-    past = _past_length(cache if cache is not None else bound.get("cache"))
+    if past is None:
+        cache = bound.get("past_key_values")
+        past = _past_length(cache if cache is not None else bound.get("cache"))
     cache_position = bound.get("cache_position")
     if past == 0 and isinstance(cache_position, torch.Tensor) and cache_position.numel():
         past = int(cache_position.reshape(-1)[0])

@@ -1,8 +1,10 @@
 """`record_routing` / `replay_routing`: drive the routers of one model instance for the length of a block.
 
 Nothing is installed on classes or module globals. On entry each router module of the model gets an
-instance-level ``forward`` that delegates to its original one (through its router kind, see
-:mod:`modelpatch.routing.kinds`), the module owning the decoder layers gets a forward pre-hook and hook
+instance-level ``forward`` (one module-level function bound to the router, the same for every block, so that
+``torch.compile`` recompiles once for a driven model, not per block) that delegates to its original one (through
+its router kind, see :mod:`modelpatch.routing.kinds`; under ``torch.compile`` through the operators of
+:mod:`modelpatch.routing.compiled`), the module owning the decoder layers gets a forward pre-hook and hook
 that read the batch layout, and the checkpoint functions of the routers' ancestors (Transformers'
 ``_gradient_checkpointing_func``, ``CheckpointWrapper.checkpoint_fn``) are wrapped per instance so that every
 checkpointed call carries its own routes to its recomputation (:mod:`modelpatch.routing.recompute`). Every such
@@ -24,6 +26,7 @@ The classes behind the two context managers:
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -34,7 +37,16 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import ModelpatchRuntimeError
 from ..undo import ABSENT, UndoStack
+from .compiled import (
+    HANDLERS,
+    compiled_owner_info,
+    compiled_owner_post_forward,
+    compiled_owner_pre_forward,
+    compiled_router_call,
+    compiled_router_info,
+)
 from .errors import RoutingReplayError, RoutingTraceError
+from .kinds import _merge_forced
 from .layout import ForwardLayout, _signature_binder, layout_from_call
 from .recompute import MARK as _MARK
 from .recompute import (
@@ -63,6 +75,43 @@ __all__ = [
 # Instance attributes holding a checkpoint function: Transformers' (GradientCheckpointingLayer, or the module
 # owning the layers in older remote code) and torch's CheckpointWrapper.
 _CHECKPOINT_ATTRS = ("_gradient_checkpointing_func", "checkpoint_fn")
+
+
+# Instance attributes a block sets for its length on each router (and the owner): the router's forward before the
+# block, and the facts its compiled calls need (see :mod:`modelpatch.routing.compiled`).
+_ORIGINAL = "_modelpatch_routing_original"
+_COMPILED = "_modelpatch_routing_compiled"
+
+
+def _driven_router_forward(router: nn.Module, *args: Any, **kwargs: Any) -> object:
+    """The ``forward`` of a router while a block drives it (bound to the router with ``types.MethodType``).
+
+    One function for every block, so that ``torch.compile`` guards on it rather than on the block: while Dynamo
+    traces, the call becomes the router's own forward with its top-k routed through an ordered custom operator;
+    otherwise the session driving the router handles the call."""
+    info = getattr(router, _COMPILED)
+    if torch.compiler.is_compiling() and info.topk_kind:
+        return compiled_router_call(info, getattr(router, _ORIGINAL), args, kwargs)
+    session, site = HANDLERS[id(router)]
+    return session._router_call(site, getattr(router, _ORIGINAL), args, kwargs)
+
+
+def _owner_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if torch.compiler.is_compiling():
+        compiled_owner_pre_forward(getattr(module, _COMPILED), args, kwargs)
+        return None
+    HANDLERS[id(module)]._pre_forward(module, args, kwargs)
+    return None
+
+
+def _owner_post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    if torch.compiler.is_compiling():
+        compiled_owner_post_forward(getattr(module, _COMPILED))
+        return None
+    session = HANDLERS.get(id(module))
+    if session is not None:
+        session._post_forward(module, args, kwargs, output)
+    return None
 
 
 _CHECKPOINT_HINT = (
@@ -149,6 +198,31 @@ class _SessionDriver:
             self.layout = None
         return None
 
+    # -- compiled graphs (run by the operators of :mod:`modelpatch.routing.compiled`) ----------------------------
+    def compiled_layout(
+        self,
+        ref: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache_position: torch.Tensor | None,
+        past: int,
+    ) -> None:
+        """A compiled forward of the owner starts: what :meth:`_pre_forward` does, from the traced inputs."""
+        given = {"attention_mask": attention_mask, "position_ids": position_ids, "cache_position": cache_position}
+        kwargs = {"input_ids": ref, **{k: v for k, v in given.items() if v is not None}}
+        layout = layout_from_call(self.owner, (), kwargs, self._sig, past=past)
+        self._assign(layout)
+        self.layout = layout
+
+    def compiled_end(self) -> None:
+        """A compiled forward of the owner ended."""
+        self.layout = None
+
+    def compiled_route(self, site: RouterSite, natural: torch.Tensor) -> torch.Tensor:
+        """A compiled router call: ``natural`` ``(tokens, top_k)`` indices of the live router -> the indices to
+        use (a new tensor)."""
+        raise NotImplementedError
+
     def _router_call(
         self, site: RouterSite, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> object:
@@ -196,20 +270,28 @@ class _SessionDriver:
                         f"layer {site.layer_idx}: router already driven by another record_routing/replay_routing "
                         "block; these blocks do not nest on the same model"
                     )
-                original = router.forward
-
-                def forward(
-                    *args: Any, _site: RouterSite = site, _orig: Callable[..., Any] = original, **kwargs: Any
-                ) -> object:
-                    return self._router_call(_site, _orig, args, kwargs)
-
-                self._undo.setattr(router, "forward", forward, raw=True)
+                if id(router) in HANDLERS:
+                    raise ModelpatchRuntimeError(
+                        f"layer {site.layer_idx}: router already driven by another record_routing/replay_routing "
+                        "block (as the module owning another model's decoder layers)"
+                    )
+                self._undo.setattr(router, _ORIGINAL, router.forward, raw=True)
+                self._undo.setattr(router, _COMPILED, compiled_router_info(site), raw=True)
+                self._undo.setattr(router, "forward", types.MethodType(_driven_router_forward, router), raw=True)
                 self._undo.setattr(router, _MARK, self, raw=True)
+                self._undo.setitem(HANDLERS, id(router), (self, site))
+            owner = self.owner
+            if id(owner) in HANDLERS:
+                raise ModelpatchRuntimeError(
+                    f"{type(owner).__name__}: the module owning the decoder layers is already driven by another "
+                    "record_routing/replay_routing block; these blocks do not nest on the same model"
+                )
+            self._undo.setattr(owner, _COMPILED, compiled_owner_info(owner, self._sig), raw=True)
+            self._undo.setitem(HANDLERS, id(owner), self)
             self._bind_checkpoints()
-            self._handles.append(self.owner.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(
-                self.owner.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
-            )
+            self._handles.append(owner.register_forward_pre_hook(_owner_pre_hook, with_kwargs=True))
+            # not always_call: Dynamo guards on the handle ids of always-called hooks (a recompile per block)
+            self._handles.append(owner.register_forward_hook(_owner_post_hook, with_kwargs=True))
         except BaseException:
             self.close()
             raise
@@ -351,6 +433,10 @@ class RecordSession(_SessionDriver):
         for slot in layout.slots:
             self.trace.append(site.layer_idx, slot.seq, compact[slot.rows], check=False)
 
+    def compiled_route(self, site: RouterSite, natural: torch.Tensor) -> torch.Tensor:
+        self._record(site, natural)
+        return natural.clone()
+
     def _route(
         self,
         site: RouterSite,
@@ -484,6 +570,9 @@ class ReplaySession(_SessionDriver):
         for frame in originals:  # bound checkpoints keep the indices for their recomputation
             frame.add(site, forced)
         return site.kind.call(site, forward, args, kwargs, forced, _noop)
+
+    def compiled_route(self, site: RouterSite, natural: torch.Tensor) -> torch.Tensor:
+        return _merge_forced(natural, self._forced(site, natural.shape[0]))
 
     def _route_unbound_recompute(
         self,

@@ -1,0 +1,198 @@
+"""torch.compile of patched models: fused QKV vs vanilla attention, record/replay vs a plain forward.
+
+All measured in the same run, with inductor (the default backend), ``fullgraph=True`` and the median of
+interleaved rounds after warm-up (the compile itself is not timed):
+
+* Llama (hidden 256, 4 layers, GQA 8/4 heads), batch 4 x ``--tokens``: forward + backward of the compiled
+  ``llama-fused-qkv`` model vs the compiled vanilla model (same weights). Target <= 1.0x (one matmul for q, k, v).
+* Qwen3-MoE (hidden 256, 4 layers, 8 experts, top-2), batch 4 x ``--tokens``, no grad: the compiled model inside
+  ``record_routing`` and inside ``replay_routing`` (a block per forward, enter/exit included) vs the compiled
+  plain forward. Target <= 1.05x. Both blocks reuse one graph compiled on the first block (recompiles printed).
+
+Prints wall-clock and process-CPU-time medians and their ratios, graph breaks and recompiles.
+
+    python benchmarks/bench_compile.py [--tokens 128] [--rounds 15] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+from transformers.utils import logging
+
+from modelpatch.recipes import get_recipe
+from modelpatch.routing import record_routing, replay_routing
+
+
+class _Counting:
+    """Inductor, noting each compile id (``frame_compile_id > 0``: a recompilation)."""
+
+    def __init__(self):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.inductor = lookup_backend("inductor")
+        self.ids: set[tuple[int, int]] = set()
+
+    def __call__(self, gm, example_inputs):
+        cid = torch._guards.CompileContext.current_compile_id()
+        self.ids.add((cid.frame_id, cid.frame_compile_id))
+        return self.inductor(gm, example_inputs)
+
+    @property
+    def recompiles(self) -> int:
+        return sum(1 for _, n in self.ids if n)
+
+
+def _time(variants: dict, rounds: int) -> dict[str, tuple[float, float]]:
+    walls: dict[str, list[float]] = {k: [] for k in variants}
+    cpus: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            w, c = time.perf_counter(), time.process_time()
+            fn()
+            walls[name].append(time.perf_counter() - w)
+            cpus[name].append(time.process_time() - c)
+    return {k: (statistics.median(walls[k]), statistics.median(cpus[k])) for k in variants}
+
+
+def _table(title: str, results: dict[str, tuple[float, float]], base: str) -> None:
+    print(title)
+    print(f"{'variant':40s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s}")
+    bw, bc = results[base]
+    for name, (w, c) in results.items():
+        print(f"{name:40s} {w * 1e3:9.2f} {w / bw:7.3f}x {c * 1e3:9.2f} {c / bc:7.3f}x")
+
+
+def bench_qkv(tokens: int, rounds: int) -> None:
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=max(512, tokens),
+    )
+    torch.manual_seed(0)
+    vanilla = AutoModelForCausalLM.from_config(config)
+    with get_recipe("llama-fused-qkv").apply():
+        fused = AutoModelForCausalLM.from_config(config)
+    state = vanilla.state_dict()
+    with torch.no_grad():  # same weights: q, k, v rows concatenated
+        for i, layer in enumerate(fused.model.layers):
+            p = f"model.layers.{i}.self_attn."
+            qkv = torch.cat([state[p + "q_proj.weight"], state[p + "k_proj.weight"], state[p + "v_proj.weight"]])
+            layer.self_attn.qkv_proj.weight.copy_(qkv)
+        fused.load_state_dict(
+            {k: v for k, v in state.items() if "_proj.weight" not in k or "o_proj" in k or "mlp" in k}, strict=False
+        )
+    ids = torch.randint(0, config.vocab_size, (4, tokens), generator=torch.Generator().manual_seed(0))
+    counters.clear()
+    backends = {"vanilla": _Counting(), "fused": _Counting()}
+    compiled = {
+        "vanilla": torch.compile(vanilla, backend=backends["vanilla"], fullgraph=True),
+        "fused": torch.compile(fused, backend=backends["fused"], fullgraph=True),
+    }
+
+    def step(name):
+        def run():
+            model = compiled[name]
+            model(input_ids=ids).logits.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    variants = {"compiled vanilla fwd+bwd": step("vanilla"), "compiled llama-fused-qkv fwd+bwd": step("fused")}
+    for fn in variants.values():  # compile + warm-up
+        fn()
+        fn()
+    with torch.no_grad():
+        diff = (compiled["fused"](input_ids=ids).logits - compiled["vanilla"](input_ids=ids).logits).abs().max()
+    results = _time(variants, rounds)
+    _table(f"fused QKV, Llama hidden 256 x 4 layers, batch 4 x {tokens} tokens", results, "compiled vanilla fwd+bwd")
+    print(
+        f"graph breaks: {sum(counters['graph_break'].values())}; recompiles: "
+        f"{sum(b.recompiles for b in backends.values())}; max |logit diff| fused vs vanilla: {float(diff):.2e}"
+    )
+
+
+def bench_routing(tokens: int, rounds: int) -> None:
+    config = Qwen3MoeConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=1024,
+        max_position_embeddings=max(512, tokens),
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (4, tokens), generator=torch.Generator().manual_seed(1))
+    counters.clear()
+    backend = _Counting()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad(), record_routing(model) as trace:
+        reference = model(input_ids=ids).logits
+
+    def plain():
+        with torch.no_grad():
+            return compiled(input_ids=ids).logits
+
+    def record():
+        with torch.no_grad(), record_routing(model):
+            return compiled(input_ids=ids).logits
+
+    def replay():
+        with torch.no_grad(), replay_routing(model, trace):
+            return compiled(input_ids=ids).logits
+
+    variants = {
+        "compiled plain forward": plain,
+        "compiled + record_routing": record,
+        "compiled + replay_routing": replay,
+    }
+    for fn in variants.values():
+        fn()
+        fn()
+    with torch.no_grad(), record_routing(model) as recorded:
+        compiled(input_ids=ids)
+    same = all(torch.equal(a, b) for a, b in zip(recorded.layer_routes(1), trace.layer_routes(1)))
+    diff = (replay() - reference).abs().max()
+    results = _time(variants, rounds)
+    _table(
+        f"routing, Qwen3-MoE hidden 256 x 4 layers, 8 experts top-2, batch 4 x {tokens}",
+        results,
+        "compiled plain forward",
+    )
+    print(
+        f"graph breaks: {sum(counters['graph_break'].values())}; recompiles: {backend.recompiles}; recorded "
+        f"indices equal eager: {same}; replay vs eager max |logit diff|: {float(diff):.2e}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.set_verbosity_error()
+    bench_qkv(args.tokens, args.rounds)
+    print()
+    bench_routing(args.tokens, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
