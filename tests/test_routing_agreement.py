@@ -188,3 +188,43 @@ def test_routing_check_errors_are_one_line(rollout, capsys):
     assert main([*base, "--routes", str(folder / "bad.npy"), "--input-ids", str(folder / "ids.npy")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "layer 0, sequence 0, row 0: expert ids repeated" in err
+
+
+def test_replay_measures_drift_without_an_extra_forward():
+    from modelpatch.routing import RoutingDriftMeter, replay_routing
+
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad(), record_routing(model) as rollout:
+        model(input_ids=ids, attention_mask=mask)
+    perturb_routers(model, seed=11)
+    with torch.no_grad(), record_routing(model) as natural:
+        model(input_ids=ids, attention_mask=mask)
+    meter = RoutingDriftMeter()
+    calls, router_inputs = [], {}
+    handles = [model.register_forward_pre_hook(lambda *a: calls.append(1))]
+    for layer in (0, 1):  # an independent witness of each router's natural choice inside the replayed forward
+        gate = model.model.layers[layer].mlp.gate
+        handles.append(gate.register_forward_pre_hook(lambda m, a, layer=layer: router_inputs.update({layer: a[0]})))
+    with replay_routing(model, rollout, drift=meter):
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    for handle in handles:
+        handle.remove()
+    assert len(calls) == 1  # measured inside the replay forward itself, no extra forward
+    measured = meter.result()
+    real = mask.flatten().bool()
+    for layer in (0, 1):
+        gate = model.model.layers[layer].mlp.gate
+        x = router_inputs[layer].reshape(-1, gate.weight.shape[1]).detach()
+        choice = torch.nn.functional.linear(x, gate.weight).topk(gate.top_k, dim=-1).indices[real]
+        want = torch.cat(rollout.layer_routes(layer))
+        common = (choice[:, :, None] == want[:, None, :]).any(-1).sum(-1)
+        by_layer = {a.layer: a for a in measured.layers}[layer]
+        assert by_layer.tokens == 16
+        assert by_layer.disagreement_rate == (common < gate.top_k).double().mean().item()
+        assert by_layer.mean_topk_overlap == (common.double() / gate.top_k).mean().item()
+    # layer 0 sees the same hidden states as a plain forward: there it equals the comparison of two recordings
+    assert measured.layers[0] == compare_routing(rollout, natural).layers[0]
+    assert 0 < measured.router_disagreement_rate < 1

@@ -391,6 +391,7 @@ def test_init_docstring_maps_every_module_top_down():
         "layout",
         "sites",
         "kinds",
+        "measures",
         "errors",
     ]
 

@@ -16,8 +16,8 @@ training-side forward use the rollout's experts (Megatron-LM's router replay, fo
   replays them (:func:`~modelpatch.routing.replay_routing`), padding and masked tokens included.
 * **logs**: ``routing/router_disagreement``, ``routing/token_flip_rate`` and ``routing/topk_overlap`` per
   logged step: how the policy's *natural* routing of the training tokens differs from the rollout's (R3's
-  measures, :func:`~modelpatch.routing.compare_routing`), measured on the no-grad old-policy / first forward of
-  each generation batch.
+  measures), measured inside the replayed loss forwards themselves (``replay_routing(..., drift=meter)``: one
+  comparison per layer, no extra forward).
 
 Text-only models; the tool-calling loop (``tools=``) is refused (its completions mix tool tokens the model did
 not route). Tested with TRL 1.16.0 (the ``trl`` extra pins it): the private methods overridden here are
@@ -26,7 +26,6 @@ not route). Tested with TRL 1.16.0 (the ``trl`` extra pins it): the private meth
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 from trl import GRPOTrainer
 
 from ..errors import ModelpatchValueError
-from ..routing import RoutingTrace, compare_routing, record_routing, replay_routing
+from ..routing import RoutingDriftMeter, RoutingTrace, record_routing, replay_routing
 
 __all__ = ["RoutingReplayGRPOTrainer", "SampleRoutes", "ROUTES_KEY"]
 
@@ -110,8 +109,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
                 "not routed by the policy during generation"
             )
         self._replay_samples: list[SampleRoutes] | None = None
-        self._measure_drift = False
-        self._drift: dict[str, list[float]] = defaultdict(list)
+        self._drift: RoutingDriftMeter | None = None
 
     # -- rollout ------------------------------------------------------------------------------------------------
     def _generate(self, prompts: list) -> Any:
@@ -132,7 +130,6 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
                 result = super()._generate(prompts)
             prompt_ids, completion_ids = result[0], result[1]
         self._replay_samples = _samples_from_trace(trace, prompt_ids, completion_ids)
-        self._measure_drift = False  # TODO(drift): natural indices from the replay forward itself
         return result
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,10 +143,18 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
     # -- training -----------------------------------------------------------------------------------------------
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         self._replay_samples = inputs[ROUTES_KEY]
+        self._drift = RoutingDriftMeter()
         try:
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, inputs)
+            agreement = self._drift.result()
         finally:
-            self._replay_samples = None
+            self._replay_samples, self._drift = None, None
+        if agreement.tokens:
+            metrics = self._metrics["train" if model.training else "eval"]
+            metrics["routing/router_disagreement"].append(agreement.router_disagreement_rate)
+            metrics["routing/token_flip_rate"].append(agreement.token_flip_rate)
+            metrics["routing/topk_overlap"].append(agreement.mean_topk_overlap)
+        return loss
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -170,9 +175,6 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
                 f"routing replay: {input_ids.shape[0]} batch rows but routes for {len(samples)} completions"
             )
         trace = _replay_trace(samples, attention_mask, logits_to_keep)
-        if self._measure_drift:
-            self._measure_drift = False
-            self._log_drift(model, input_ids, attention_mask, trace)
         batch_size = kwargs.pop("batch_size", None) or input_ids.shape[0]
         multimodal = any(v is not None for k, v in kwargs.items() if k not in ("compute_entropy", "compute_aux_loss"))
         if multimodal:
@@ -181,7 +183,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         for start in range(0, input_ids.shape[0], batch_size):
             end = min(start + batch_size, input_ids.shape[0])
             chunk = trace.select(list(range(start, end)))
-            with replay_routing(model, chunk):
+            with replay_routing(model, chunk, drift=self._drift):
                 results.append(
                     super()._get_per_token_logps_and_entropies(
                         model, input_ids[start:end], attention_mask[start:end], logits_to_keep, *args, **kwargs
@@ -193,15 +195,3 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         entropies = torch.cat([r[1] for r in results]) if results[0][1] is not None else None
         aux = torch.stack([r[2] for r in results]).mean() if results[0][2] is not None else None
         return logps, entropies, aux
-
-    # -- drift ----------------------------------------------------------------------------------------------------
-    def _log_drift(
-        self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, rollout: RoutingTrace
-    ) -> None:
-        with torch.no_grad(), record_routing(model) as natural:
-            model(input_ids=input_ids, attention_mask=attention_mask)
-        agreement = compare_routing(rollout, natural)
-        mode = "train" if model.training else "eval"
-        self._metrics[mode]["routing/router_disagreement"].append(agreement.router_disagreement_rate)
-        self._metrics[mode]["routing/token_flip_rate"].append(agreement.token_flip_rate)
-        self._metrics[mode]["routing/topk_overlap"].append(agreement.mean_topk_overlap)

@@ -24,12 +24,15 @@ function).
 - ``layout`` — where each sequence's tokens sit in the flat token grid of one forward.
 - ``sites`` — discovery of a model's routers (:class:`RouterSite`: layer, experts, top-k, kind).
 - ``kinds`` — router math per kind (one ``torch.topk``, PhiMoE's sparsemixer) and the family table.
+- ``measures`` — R3's agreement measures accumulated forward by forward (:class:`RoutingDriftMeter`,
+  :class:`RoutingAgreement`), used by ``agreement`` and by ``replay_routing(..., drift=meter)``.
 - ``errors`` — the routing exceptions, all :class:`modelpatch.errors.ModelpatchError`.
 """
 
-from .agreement import LayerAgreement, RoutingAgreement, compare_routing, routing_drift
+from .agreement import compare_routing, routing_drift
 from .errors import RouterContractError, RoutingDiscoveryError, RoutingReplayError, RoutingTraceError
 from .kinds import FAMILY_KINDS, kind_for_family
+from .measures import LayerAgreement, RoutingAgreement, RoutingDriftMeter
 from .session import record_routing, replay_routing
 from .sites import RouterSite, find_router_sites
 from .trace import RoutingTrace, from_routed_experts, to_routed_experts
@@ -52,4 +55,5 @@ __all__ = [
     "routing_drift",
     "RoutingAgreement",
     "LayerAgreement",
+    "RoutingDriftMeter",
 ]

@@ -76,12 +76,23 @@ class RouterKind:
     ``call(site, forward, args, kwargs, forced, sink)`` runs one router call: ``forward`` is the router's
     original bound forward; ``forced`` is ``None`` (record / plain) or a LongTensor ``(tokens, top_k)`` of
     expert ids with ``-1`` rows meaning "route naturally"; ``sink`` receives the LongTensor ``(tokens, top_k)``
-    of the experts actually used. Returns the router's output with the family's own output contract.
+    of the experts actually used; ``natural_sink`` (replay only, kinds that can tell) receives the indices the live
+    router would have chosen, for drift measures. Returns the router's output with the family's own output
+    contract.
     """
 
     name = "abstract"
 
-    def call(self, site, forward: Callable, args, kwargs, forced: torch.Tensor | None, sink: Callable) -> object:
+    def call(
+        self,
+        site,
+        forward: Callable,
+        args,
+        kwargs,
+        forced: torch.Tensor | None,
+        sink: Callable,
+        natural_sink: Callable | None = None,
+    ) -> object:
         raise NotImplementedError
 
 
@@ -92,6 +103,7 @@ class _RoutingTopKMode(TorchFunctionMode):
         self.top_k = site.top_k
         self.forced = forced
         self.indices: torch.Tensor | None = None
+        self.natural: torch.Tensor | None = None  # what the live router chose (before forcing)
         self.hits = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -104,6 +116,7 @@ class _RoutingTopKMode(TorchFunctionMode):
             if k == self.top_k and largest and inp.dim() == 2 and inp.shape[-1] == self.num_experts and dim in (-1, 1):
                 self.hits += 1
                 out = func(*args, **kwargs)
+                self.natural = out[1]
                 if self.forced is None:
                     self.indices = out[1]
                     return out
@@ -138,7 +151,7 @@ class TopKSelection(RouterKind):
 
     name = "topk"
 
-    def call(self, site, forward, args, kwargs, forced, sink):
+    def call(self, site, forward, args, kwargs, forced, sink, natural_sink=None):
         mode = _RoutingTopKMode(site, forced)
         with mode:
             out = forward(*args, **kwargs)
@@ -148,6 +161,8 @@ class TopKSelection(RouterKind):
                 f"{site.num_experts} experts with k={site.top_k} in the router forward, saw {mode.hits}"
             )
         sink(mode.indices)
+        if natural_sink is not None and forced is not None:
+            natural_sink(mode.natural)
         return out
 
 
@@ -186,7 +201,7 @@ class SparseMixerSelection(RouterKind):
 
     name = "sparsemixer"
 
-    def call(self, site, forward, args, kwargs, forced, sink):
+    def call(self, site, forward, args, kwargs, forced, sink, natural_sink=None):
         router = site.module
         if forced is None:
             out = forward(*args, **kwargs)
@@ -255,7 +270,7 @@ class HashLookupSelection(RouterKind):
     def __init__(self, table: str) -> None:
         self.table = table
 
-    def call(self, site, forward, args, kwargs, forced, sink):
+    def call(self, site, forward, args, kwargs, forced, sink, natural_sink=None):
         table = getattr(site.module, self.table, None)
         if not isinstance(table, torch.Tensor):
             raise RouterContractError(

@@ -48,6 +48,7 @@ from .compiled import (
 from .errors import RoutingReplayError, RoutingTraceError
 from .kinds import _merge_forced
 from .layout import ForwardLayout, _signature_binder, layout_from_call
+from .measures import RoutingDriftMeter
 from .recompute import MARK as _MARK
 from .recompute import (
     RecomputeFrame,
@@ -469,9 +470,10 @@ class ReplaySession(_SessionDriver):
         RoutingTraceError: (on construction) the trace's layers, top-k or id range do not fit the model.
     """
 
-    def __init__(self, model: nn.Module, trace: RoutingTrace) -> None:
+    def __init__(self, model: nn.Module, trace: RoutingTrace, drift: RoutingDriftMeter | None = None) -> None:
         super().__init__(model)
         self.trace = trace
+        self.drift = drift
         model_layers = tuple(s.layer_idx for s in self.sites)
         if trace.layers != model_layers:
             raise RoutingTraceError(
@@ -569,10 +571,30 @@ class ReplaySession(_SessionDriver):
         forced = self._forced(site, hidden.numel() // hidden.shape[-1])
         for frame in originals:  # bound checkpoints keep the indices for their recomputation
             frame.add(site, forced)
-        return site.kind.call(site, forward, args, kwargs, forced, _noop)
+        measure = None
+        if self.drift is not None:
+            drift = self.drift
+
+            def measure(natural: torch.Tensor) -> None:
+                drift.add(site.layer_idx, natural, forced)
+
+        return site.kind.call(site, forward, args, kwargs, forced, _noop, measure)
 
     def compiled_route(self, site: RouterSite, natural: torch.Tensor) -> torch.Tensor:
-        return _merge_forced(natural, self._forced(site, natural.shape[0]))
+        forced = self._forced(site, natural.shape[0])
+        if self.drift is not None:
+            self.drift.add(site.layer_idx, natural, forced)
+        return _merge_forced(natural, forced)
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self.drift is not None and not _in_backward():
+            self.drift.end_forward()
+        return super()._post_forward(module, args, kwargs, output)
+
+    def compiled_end(self) -> None:
+        if self.drift is not None:
+            self.drift.end_forward()
+        super().compiled_end()
 
     def _route_unbound_recompute(
         self,
@@ -713,7 +735,9 @@ def _refused_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
 
 
 @contextmanager
-def replay_routing(model: nn.Module, trace: RoutingTrace) -> Iterator[RoutingTrace]:
+def replay_routing(
+    model: nn.Module, trace: RoutingTrace, *, drift: RoutingDriftMeter | None = None
+) -> Iterator[RoutingTrace]:
     """Force the expert indices of ``trace`` while the routing weights are recomputed by the live routers.
 
     The Megatron-LM router replay / R3 contract (arXiv 2510.11370): indices fixed, weights gathered from the
@@ -736,6 +760,12 @@ def replay_routing(model: nn.Module, trace: RoutingTrace) -> Iterator[RoutingTra
     Args:
         model: the model (``*ForCausalLM``, base model, or a DDP/FSDP2 wrapper of one).
         trace: a :class:`RoutingTrace` whose MoE layers and top-k match the model.
+        drift: a :class:`~modelpatch.routing.RoutingDriftMeter` that receives, for every replayed router call, the
+            experts the live router would have chosen against the replayed ones (R3's measures of routing drift, at
+            the cost of one comparison per layer: no extra forward). Each layer's natural choice is taken on the
+            hidden states of the replayed forward (the layers below it replayed), which is what the policy would
+            choose at that point of the training forward. Routers of the ``topk`` kind only (PhiMoE's sparsemixer
+            is not measured). ``drift.result()`` after the block.
 
     Yields:
         the same ``trace``.
@@ -747,7 +777,7 @@ def replay_routing(model: nn.Module, trace: RoutingTrace) -> Iterator[RoutingTra
             count at a router differs, or a router runs inside an activation checkpoint replay cannot bind; on
             exit, if routes were left unconsumed (leftover).
     """
-    session = ReplaySession(model, trace)
+    session = ReplaySession(model, trace, drift)
     with session:
         yield trace
     session.check_complete()
