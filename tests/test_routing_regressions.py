@@ -271,3 +271,27 @@ def test_routers_added_or_replaced_after_first_use_are_recorded_and_replayed():
     with pytest.raises(RoutingTraceError, match=r"trace MoE layers \[1, 2\] do not match .* \[0, 1, 2\]"):
         with replay_routing(model, first):
             pass
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "cache"),
+    [
+        ("qwen3_moe", {}, "static"),
+        ("mixtral", {"sliding_window": 4}, "static"),
+        ("mixtral", {"sliding_window": 4}, None),
+    ],
+)
+def test_generate_with_any_cache_records_exactly_the_real_tokens(family, overrides, cache):
+    model = tiny_model(family, **overrides)
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 0, 20, 21, 22, 23, 24, 25]])
+    mask = (ids != 0).long()
+    with torch.no_grad(), record_routing(model) as reference:  # the default cache, a 2-D mask at every forward
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with torch.no_grad(), record_routing(model) as trace:
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation=cache
+        )
+    assert trace.sequence_lengths == [9 + 2, 6 + 2]  # left padding is not a token; the last token is never fed
+    for layer in trace.layers:
+        assert all(torch.equal(a, b) for a, b in zip(trace[layer], reference[layer]))

@@ -335,6 +335,7 @@ class GenerateGuard:
         self.model = model
         self.active = False  # inside a guarded generate call
         self.end: int | None = None  # inside generate: grid length after the last forward
+        self.prompt_mask: torch.Tensor | None = None  # inside generate: its 2-D attention_mask (batch, prompt)
 
     def install(self, undo: UndoStack) -> None:
         model = self.model
@@ -348,9 +349,11 @@ class GenerateGuard:
                 raise RoutingTraceError(f"record_routing cannot record generate with {why}")
             if self.active:  # generate calling generate: let the outer call's checks stand
                 return original(*args, **kwargs)
+            mask = kwargs.get("attention_mask")
             with UndoStack() as state:
                 state.setattr(self, "active", True)
                 state.setattr(self, "end", None)
+                state.setattr(self, "prompt_mask", mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
                 return original(*args, **kwargs)
 
         undo.setattr(model, "generate", generate, raw=True)
@@ -381,6 +384,19 @@ class GenerateGuard:
                 )
         self.end = layout.past + layout.seq_len
 
+    def padding_mask(self, mask: Any, seq_len: int) -> Any:
+        """Inside ``generate``: the 2-D mask ``(batch, past + seq_len)`` of the forward about to run, built from the
+        prompt's 2-D mask (every generated token is real), when the forward itself gets no 2-D mask: a static or
+        otherwise compiled cache hands the model a 4-D mask, from which padding cannot be read. Else ``mask``."""
+        prompt = self.prompt_mask
+        if not self.active or prompt is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            return mask
+        total = (self.end if self.end is not None else prompt.shape[1]) + (seq_len if self.end is not None else 0)
+        if total < prompt.shape[1]:
+            return mask
+        extra = prompt.new_ones((prompt.shape[0], total - prompt.shape[1]))
+        return torch.cat([prompt, extra], dim=1)
+
 
 class RecordSession(_SessionDriver):
     """Records the experts the live routers choose into :attr:`trace` (a new :class:`RoutingTrace`).
@@ -407,6 +423,30 @@ class RecordSession(_SessionDriver):
             self.close()
             raise
         return self
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        guard = self.generate_guard
+        if guard.active and guard.prompt_mask is not None:
+            ref = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            mask = kwargs.get("attention_mask")
+            if (
+                isinstance(ref, torch.Tensor)
+                and ref.dim() >= 2
+                and not (isinstance(mask, torch.Tensor) and mask.dim() == 2)
+            ):
+                kwargs = {**kwargs, "attention_mask": guard.padding_mask(mask, int(ref.shape[1]))}
+        super()._pre_forward(module, args, kwargs)
+
+    def compiled_layout(
+        self,
+        ref: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache_position: torch.Tensor | None,
+        past: int,
+    ) -> None:
+        attention_mask = self.generate_guard.padding_mask(attention_mask, int(ref.shape[1]))
+        super().compiled_layout(ref, attention_mask, position_ids, cache_position, past)
 
     def _assign(self, layout: ForwardLayout) -> None:
         self.generate_guard.check_step(layout)
