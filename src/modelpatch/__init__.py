@@ -25,6 +25,7 @@ from .conversion import (
     conversion_report,
     convert_checkpoint,
     get_checkpoint_conversion_mapping,
+    iter_original_state_dict,
     load_converted_state_dict,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
@@ -95,4 +96,5 @@ __all__ = [
     "load_converted_state_dict",
     "convert_checkpoint",
     "bind_conversion_rules",
+    "iter_original_state_dict",
 ]
