@@ -43,7 +43,8 @@ from .registry import (
 from .report import conversion_report
 from .rules import WeightConverter, WeightRenaming
 from .saving import bind_conversion_rules, iter_original_state_dict
-from .statedict import has_state_dict_hooks  # registers the state listener that installs the hooks
+from .statedict import has_state_dict_hooks
+from .streaming import OriginalLayoutIterator  # registers the state listener that installs the hooks
 
 __all__ = [
     "Chunk",
@@ -52,6 +53,7 @@ __all__ = [
     "ConversionRow",
     "ConversionShapeError",
     "MergeModulelist",
+    "OriginalLayoutIterator",
     "SplitModulelist",
     "Transpose",
     "WeightConverter",

@@ -8,8 +8,6 @@ picks the rules of both stages for the model and :func:`.streaming.iter_reverted
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from transformers import PreTrainedModel
 from transformers import conversion_mapping as _tcm
@@ -20,7 +18,7 @@ from ..errors import ModelpatchTypeError
 from .compose import compose_builtins, resolve_model_rules, rules_fitting_model
 from .errors import ConversionError
 from .state import ConversionState, get_state
-from .streaming import iter_reverted, transformers_conversions
+from .streaming import OriginalLayoutIterator, iter_reverted, transformers_conversions
 from .wrappers import unwrapped_names, unwrapped_state_dict, wrapper_bases
 
 logger = logging.get_logger("modelpatch.conversion")
@@ -28,7 +26,7 @@ logger = logging.get_logger("modelpatch.conversion")
 __all__ = ["revert_to_original_layout", "original_layout", "iter_original_state_dict", "bind_conversion_rules"]
 
 
-def original_layout(model, state_dict: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def original_layout(model, state_dict: dict) -> OriginalLayoutIterator:
     """``(name, tensor)`` of ``state_dict`` (keys of ``model``'s layout, tied duplicates already removed) in the
     original layout, one conversion group at a time: what ``revert_weight_conversion`` returns for ``save_pretrained``.
 
@@ -79,7 +77,7 @@ def revert_to_original_layout(model, state_dict: dict) -> dict:
     return dict(original_layout(model, state_dict))
 
 
-def iter_original_state_dict(model, state_dict: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_original_state_dict(model, state_dict: dict | None = None) -> OriginalLayoutIterator:
     """Yield ``(name, tensor)`` of ``model`` in the original checkpoint layout, one conversion group at a time: the
     weights an inference engine loads, for pushing trained weights to it after each step of an RL loop.
 
@@ -109,8 +107,9 @@ def iter_original_state_dict(model, state_dict: dict | None = None) -> Iterator[
             gathered from a sharded model); ``_keys_to_ignore_on_save`` and tied duplicates are removed from it as
             ``save_pretrained`` removes them.
 
-    Yields:
-        ``(name, tensor)``: original-layout key and tensor, each name once.
+    Returns:
+        An iterator of ``(name, tensor)`` (original-layout key and tensor, each name once) whose ``groups`` and
+        ``converted`` attributes count the conversion groups planned and converted so far.
 
     Raises:
         ModelpatchTypeError: ``model`` is not a ``PreTrainedModel``, or it has PEFT adapters loaded through

@@ -36,7 +36,7 @@ from .plan import Plan, build_plan
 from .reference import ReferenceShapes
 from .state import ConversionState
 
-__all__ = ["BuiltinStage", "transformers_conversions", "reversed_user_rules", "iter_reverted"]
+__all__ = ["BuiltinStage", "OriginalLayoutIterator", "transformers_conversions", "reversed_user_rules", "iter_reverted"]
 
 
 def transformers_conversions(model) -> list | None:
@@ -117,7 +117,11 @@ class BuiltinStage:
         renamings = self.renamings if renamings is None else renamings
         if entry.converter is None and len(entry.items) == 1 and _plain(entry.name):
             # what WeightRenaming(key, name).convert() returns, without compiling a pattern per key
-            return {entry.name: entry.items[0][2]}
+            if meta:
+                return {entry.name: entry.items[0][2]}
+            ((key, pattern, tensor),) = entry.items
+            entry.items = [(key, pattern, None)]
+            return {entry.name: tensor}
         if meta:
             entry = _Entry(entry.name, copy.deepcopy(entry.converter), entry.items)
             tensors = [torch.empty_like(t, device="meta") for _, _, t in entry.items]
@@ -149,6 +153,30 @@ class BuiltinStage:
             except Exception:  # noqa: BLE001 - an op that needs data: the caller converts stage A first
                 return None
         return names
+
+
+class OriginalLayoutIterator:
+    """Iterator of ``(name, tensor)`` in the original layout (what :func:`iter_reverted` returns).
+
+    Attributes:
+        groups: conversion groups planned (Transformers' converter groups and groups of the user rules; a key that
+            is only renamed or passed through is not a group).
+        converted: groups converted so far (a group is converted when its first output is requested).
+    """
+
+    def __init__(self, groups: int):
+        self.groups = groups
+        self.converted = 0
+        self._items: Iterator[tuple[str, torch.Tensor]] = iter(())
+
+    def __iter__(self) -> OriginalLayoutIterator:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._items)
+
+    def __repr__(self) -> str:
+        return f"<OriginalLayoutIterator: {self.converted} of {self.groups} conversion groups converted>"
 
 
 def _plain(name: str) -> bool:
@@ -183,7 +211,9 @@ def _once(name: str, seen: set[str]) -> None:
     seen.add(name)
 
 
-def iter_reverted(model, state_dict: dict, conversions: list | None, state: ConversionState | None):
+def iter_reverted(
+    model, state_dict: dict, conversions: list | None, state: ConversionState | None
+) -> OriginalLayoutIterator:
     """``(name, tensor)`` of ``state_dict`` (model layout) in the original layout: stage A with Transformers'
     ``conversions`` (see :func:`transformers_conversions`), then stage B with ``state``'s rules (``None``: none).
 
@@ -196,8 +226,11 @@ def iter_reverted(model, state_dict: dict, conversions: list | None, state: Conv
             iterating), or an operation fails (while iterating).
     """
     stage_a = BuiltinStage(model, state_dict, conversions)
+    converters = sum(entry.converter is not None for entry in stage_a.entries)
     if state is None:
-        return _stream_a(stage_a)
+        result = OriginalLayoutIterator(converters)
+        result._items = _stream_a(stage_a, result)
+        return result
     names = stage_a.output_names() if stage_a.converts else [[e.name] for e in stage_a.entries]
     eager = None
     if names is None:  # an op of stage A needs data: convert stage A first, then stream stage B
@@ -208,16 +241,22 @@ def iter_reverted(model, state_dict: dict, conversions: list | None, state: Conv
         _once(name, seen)
     rules, owner = reversed_user_rules(state)
     plan = build_plan(((n, n) for group in names for n in group), rules, reverse=True)
-    return _stream_b(model, stage_a, eager, names, plan, owner, state)
+    result = OriginalLayoutIterator(converters + len(plan.groups))
+    result.converted = converters if eager is not None else 0
+    result._items = _stream_b(model, stage_a, eager, names, plan, owner, state, result)
+    return result
 
 
-def _stream_a(stage_a: BuiltinStage) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream_a(stage_a: BuiltinStage, progress: OriginalLayoutIterator) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[str] = set()
     for entry in stage_a.entries:
+        progress.converted += entry.converter is not None
         yield from _drain(stage_a.convert(entry), seen)
 
 
-def _stream_b(model, stage_a, eager, names, plan: Plan, owner, state) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream_b(
+    model, stage_a, eager, names, plan: Plan, owner, state, progress: OriginalLayoutIterator
+) -> Iterator[tuple[str, torch.Tensor]]:
     references = ReferenceShapes(state.recorded_shapes, model)
     final = {source: name for name, source in plan.passthrough.items()}
     group_of = {key: group for group in plan.groups.values() for items in group.sources.values() for key, _ in items}
@@ -226,9 +265,12 @@ def _stream_b(model, stage_a, eager, names, plan: Plan, owner, state) -> Iterato
     seen: set[str] = set()
     plan.produced = {}
     for index, expected in enumerate(names):
-        outputs = eager[index] if eager is not None else stage_a.convert(stage_a.entries[index])
-        if eager is not None:
-            eager[index] = {}
+        if eager is None:
+            entry = stage_a.entries[index]
+            progress.converted += entry.converter is not None
+            outputs = stage_a.convert(entry)
+        else:
+            outputs, eager[index] = eager[index], {}
         if set(outputs) != set(expected):
             raise ConversionError(
                 f"Transformers' built-in reverse conversion produced {list(outputs)}, not {expected} as planned"
@@ -242,5 +284,6 @@ def _stream_b(model, stage_a, eager, names, plan: Plan, owner, state) -> Iterato
             arrived[name] = outputs.pop(name)
             waiting[id(group)] -= 1
             if waiting[id(group)] == 0:
+                progress.converted += 1
                 yield from _drain(plan.convert_group(group, reference_shapes=references, sources=arrived), seen)
     state.save_rows = plan.rows("save", owner, plan.produced)
