@@ -275,3 +275,26 @@ def test_wrapped_modules_warn_once_per_iteration(checkpoints, caplog):
         streamed = dict(iter_original_state_dict(model))
     assert caplog.text.count("without the 4 adapter tensor(s)") == 1  # lora_A/B of 2 layers' qkv_proj
     assert not any("lora_" in k or "base_layer" in k for k in streamed)
+
+
+def test_user_group_fed_by_a_builtin_converter_group(tmp_path):
+    # a built-in converter on the fused parameter itself (Transformers' Transpose twice: the identity, with copies)
+    # runs first on save, and modelpatch's split of qkv_proj takes its output
+    model = _built("llama")
+    get_recipe("llama-fused-qkv").patch(model)
+    model._weight_conversions = [
+        tcml.WeightConverter(
+            "self_attn.qkv_proj.weight",
+            "self_attn.qkv_proj.weight",
+            operations=[tcml.Transpose(0, 1), tcml.Transpose(0, 1)],
+        )
+    ]
+    stream = iter_original_state_dict(model)
+    assert (stream.groups, stream.converted) == (4, 0)  # per layer: the built-in group, then the user group
+    progress = {name: stream.converted for name, _ in stream if "self_attn" in name}
+    assert progress["model.layers.0.self_attn.q_proj.weight"] == 2
+    assert progress["model.layers.1.self_attn.v_proj.weight"] == 4
+    streamed = dict(iter_original_state_dict(model))
+    model.save_pretrained(tmp_path)
+    _assert_same(streamed, load_file(tmp_path / "model.safetensors"))
+    _assert_same(streamed, _transformers_alone(_built("llama")))
