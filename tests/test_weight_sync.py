@@ -263,6 +263,9 @@ def test_refusals_name_what_is_wrong(checkpoints):
     state_dict["model.norm.weight"] = torch.empty(64, device="meta")
     with pytest.raises(ConversionError, match="'model.norm.weight' has no data"):
         iter_original_state_dict(model, state_dict)
+
+
+def test_model_with_adapters_loaded_through_transformers_is_refused():
     plain = _built("llama")
     plain.add_adapter(LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ModelpatchError, match="save_pretrained writes the adapter only"):
