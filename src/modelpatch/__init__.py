@@ -1,7 +1,9 @@
 """modelpatch: change the structure of 🤗 Transformers models without editing modeling code.
 
 Swap module classes while a model is built (exact class name or regex keys) or in a model already built
-(:func:`patch_model`, revertible), convert checkpoint weights to the new layout on load and back on save, see what changed, keep output capture working on
+(:func:`patch_model`, revertible), convert checkpoint weights to the new layout on load and back on save (or hand
+them out in the original layout one conversion group at a time, :func:`iter_original_state_dict`, for weight sync to
+an inference engine), see what changed, keep output capture working on
 replacement classes, and record/replay MoE routing (:mod:`modelpatch.routing`). Importing modelpatch installs thin wrappers on
 ``PreTrainedModel`` (see :mod:`modelpatch.integration`) so the registry applies to every
 ``from_pretrained``/``from_config`` build; nothing else in the process is changed.
@@ -25,6 +27,7 @@ from .conversion import (
     conversion_report,
     convert_checkpoint,
     get_checkpoint_conversion_mapping,
+    iter_original_state_dict,
     load_converted_state_dict,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
@@ -95,4 +98,5 @@ __all__ = [
     "load_converted_state_dict",
     "convert_checkpoint",
     "bind_conversion_rules",
+    "iter_original_state_dict",
 ]

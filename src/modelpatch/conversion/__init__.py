@@ -17,7 +17,9 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``io``        lazy safetensors checkpoint access
 ``wrappers``  seeing through wrapper modules of other libraries (PEFT's LoRA layers) on save; views registered by
               :mod:`modelpatch.integrations`
-``loading``   the ``from_pretrained`` path             ``saving``    the ``save_pretrained`` reverse
+``streaming`` the reverse to the original layout group by group (Transformers' built-in reverse, then the user rules)
+``loading``   the ``from_pretrained`` path             ``saving``    the ``save_pretrained`` reverse and
+              :func:`iter_original_state_dict` (weight sync), one path
 ``unloaded``  replacement parameters the checkpoint did not provide
 ``report``    :func:`conversion_report`
 ``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
@@ -40,8 +42,9 @@ from .registry import (
 )
 from .report import conversion_report
 from .rules import WeightConverter, WeightRenaming
-from .saving import bind_conversion_rules
-from .statedict import has_state_dict_hooks  # registers the state listener that installs the hooks
+from .saving import bind_conversion_rules, iter_original_state_dict
+from .statedict import has_state_dict_hooks
+from .streaming import OriginalLayoutIterator  # registers the state listener that installs the hooks
 
 __all__ = [
     "Chunk",
@@ -50,6 +53,7 @@ __all__ = [
     "ConversionRow",
     "ConversionShapeError",
     "MergeModulelist",
+    "OriginalLayoutIterator",
     "SplitModulelist",
     "Transpose",
     "WeightConverter",
@@ -61,6 +65,7 @@ __all__ = [
     "convert_checkpoint",
     "get_checkpoint_conversion_mapping",
     "has_state_dict_hooks",
+    "iter_original_state_dict",
     "load_converted_state_dict",
     "register_checkpoint_conversion_mapping",
     "unregister_checkpoint_conversion_mapping",

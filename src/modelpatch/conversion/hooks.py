@@ -5,13 +5,16 @@ Two module-level names of ``transformers.modeling_utils`` are replaced by thin w
 * ``convert_and_load_state_dict_in_model`` (called by ``from_pretrained`` with the lazily opened checkpoint): when
   user rules resolve for the model, the checkpoint dict is converted lazily by :mod:`.loading` and the remaining
   built-in rules are passed on to the original function, which still does all reading, dtype casting and placement;
-* ``revert_weight_conversion`` (called by ``save_pretrained`` unless ``save_original_format=False``): models loaded
-  or built with user rules are written back in the original layout by :mod:`.saving`.
+* ``revert_weight_conversion`` (called by ``save_pretrained`` unless ``save_original_format=False``): every model is
+  written back in the original layout by :mod:`.saving`, the path :func:`~modelpatch.iter_original_state_dict` takes
+  too: Transformers' own reverse run group by group exactly as the original runs it (:mod:`.streaming`), then the
+  reverse of the user rules, if any. The original function itself is no longer called.
 
-With no user rule in effect and a model that was not converted, both wrappers call the original with the same
+With no user rule in effect and a model that was not converted, the load wrapper calls the original with the same
 arguments (except for a model modelpatch built that loads PEFT adapters through ``model.load_adapter``: the adapter
-rules whose targets the model lacks are dropped, see :func:`.compose.transforms_in_force`); the load wrapper then only checks that the parameters of replacement modules came from the checkpoint
-(:mod:`.unloaded`). They are installed when :mod:`modelpatch` is imported. :func:`uninstall` restores the originals.
+rules whose targets the model lacks are dropped, see :func:`.compose.transforms_in_force`), then only checks that the
+parameters of replacement modules came from the checkpoint (:mod:`.unloaded`). The wrappers are installed when
+:mod:`modelpatch` is imported. :func:`uninstall` restores the originals.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def _load(model, state_dict, load_config, disk_offload_index=None):
 
 
 def _revert(model, state_dict):
-    return revert_to_original_layout(model, state_dict, _originals["revert_weight_conversion"])
+    return revert_to_original_layout(model, state_dict)
 
 
 _WRAPPERS = {"convert_and_load_state_dict_in_model": _load, "revert_weight_conversion": _revert}

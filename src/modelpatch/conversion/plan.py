@@ -294,13 +294,26 @@ class Plan:
         ``self.produced`` maps each output key to ``(shape, dtype, group)`` like :meth:`dry_run`."""
         result, self.produced = {}, {}
         for group in self.groups.values():
-            collected = {p: [load_tensor(o) for _, o in items] for p, items in group.sources.items()}
-            for name, tensor in _run_group(group, collected, reference_shapes).items():
-                name = self._finish_name(name)
-                result[name] = tensor
-                self.produced[name] = (tuple(tensor.shape), tensor.dtype, group)
+            result.update(self.convert_group(group, reference_shapes))
         for name, obj in self.passthrough.items():
             result[name] = load_tensor(obj) if materialize_passthrough else obj
+        return result
+
+    def convert_group(self, group: _Group, reference_shapes=None, sources: dict | None = None) -> dict:
+        """Convert one group now; returns ``{key: tensor}`` (final names) and adds them to ``self.produced``.
+
+        ``sources``: ``{source key: tensor}`` to take the group's tensors from (each is removed from it), for a plan
+        built over placeholders; by default each tensor-like of the group is materialised (:func:`load_tensor`).
+        """
+        if sources is None:
+            collected = {p: [load_tensor(o) for _, o in items] for p, items in group.sources.items()}
+        else:
+            collected = {p: [sources.pop(k) for k, _ in items] for p, items in group.sources.items()}
+        result = {}
+        for name, tensor in _run_group(group, collected, reference_shapes).items():
+            name = self._finish_name(name)
+            result[name] = tensor
+            self.produced[name] = (tuple(tensor.shape), tensor.dtype, group)
         return result
 
     def rows(self, direction: str, owner: dict, dry: dict | None = None) -> list[ConversionRow]:

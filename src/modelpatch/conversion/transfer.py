@@ -91,7 +91,7 @@ def _run(tensors: dict[str, torch.Tensor], rules: list, *, reverse: bool, key_re
 
 def _reversed(converters: list, renamings: list) -> list:
     """Reverse transforms in save order: converters keep their load priority, renamings undo last-applied first
-    (as :func:`~modelpatch.conversion.saving.reverse_state_dict` orders them)."""
+    (as :func:`~modelpatch.conversion.streaming.reversed_user_rules` orders them)."""
     return [c.reverse_transform() for c in converters] + [r.reverse_transform() for r in renamings[::-1]]
 
 
