@@ -5,10 +5,11 @@ Two module-level names of ``transformers.modeling_utils`` are replaced by thin w
 * ``convert_and_load_state_dict_in_model`` (called by ``from_pretrained`` with the lazily opened checkpoint): when
   user rules resolve for the model, the checkpoint dict is converted lazily by :mod:`.loading` and the remaining
   built-in rules are passed on to the original function, which still does all reading, dtype casting and placement;
-* ``revert_weight_conversion`` (called by ``save_pretrained`` unless ``save_original_format=False``): every model is
-  written back in the original layout by :mod:`.saving`, the path :func:`~modelpatch.iter_original_state_dict` takes
-  too: Transformers' own reverse run group by group exactly as the original runs it (:mod:`.streaming`), then the
-  reverse of the user rules, if any. The original function itself is no longer called.
+* ``revert_weight_conversion`` (called by ``save_pretrained`` unless ``save_original_format=False``): a model that
+  carries modelpatch rules, or for which rules are in effect, is written back in the original layout by
+  :mod:`.saving`, the path :func:`~modelpatch.iter_original_state_dict` takes too: Transformers' own reverse run
+  group by group exactly as the original runs it (:mod:`.streaming`), then the reverse of the user rules. Any other
+  model goes through the original function, untouched.
 
 With no user rule in effect and a model that was not converted, the load wrapper calls the original with the same
 arguments (except for a model modelpatch built that loads PEFT adapters through ``model.load_adapter``: the adapter
@@ -28,6 +29,7 @@ from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_for
 from .loading import convert_and_load
 from .registry import set_hooks_installed
 from .saving import revert_to_original_layout
+from .state import get_state
 from .unloaded import check_replacements_loaded
 
 __all__ = ["install", "uninstall", "installed"]
@@ -56,6 +58,9 @@ def _load(model, state_dict, load_config, disk_offload_index=None):
 
 
 def _revert(model, state_dict):
+    if get_state(model) is None and resolve_model_rules(model) is None:
+        # no rule of modelpatch's applies: Transformers' own function, as if modelpatch were not installed
+        return _originals["revert_weight_conversion"](model, state_dict)
     return revert_to_original_layout(model, state_dict)
 
 
