@@ -200,17 +200,29 @@ def test_trained_fused_qkv_values_are_written_back_through_the_inverse_split():
         assert (model(INPUT_IDS).logits - patched_logits).abs().max().item() < 1e-5
 
 
-def test_trained_linear_experts_are_stacked_back_into_the_fused_parameters():
-    model = _build(Qwen3MoeForCausalLM, {})
+@pytest.mark.parametrize(
+    ("model_cls", "recipe", "names"),
+    [
+        (Qwen3MoeForCausalLM, "qwen3_moe-linear-experts", ("gate_proj", "up_proj", "down_proj")),
+        # Mixtral's recipe renames block_sparse_moe -> mlp as Transformers does: revert must rename again (it kept
+        # the untrained tensors, with only a warning, before)
+        (MixtralForCausalLM, "mixtral-linear-experts", ("w1", "w3", "w2")),
+    ],
+)
+def test_trained_linear_experts_are_stacked_back_into_the_fused_parameters(model_cls, recipe, names, caplog):
+    gate, up, down = names
+    model = _build(model_cls, {})
     experts = [layer.mlp.experts for layer in model.model.layers]
-    patch = get_recipe("qwen3_moe-linear-experts").patch(model)
+    with caplog.at_level("WARNING", logger="modelpatch"):
+        patch = get_recipe(recipe).patch(model)
+    assert "not written back" not in caplog.text
     _train(model)
     with torch.no_grad():
         patched_logits = model(INPUT_IDS).logits
         expected = [
             (
-                torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in layer.mlp.experts]),
-                torch.stack([e.down_proj.weight for e in layer.mlp.experts]),
+                torch.stack([torch.cat([getattr(e, gate).weight, getattr(e, up).weight]) for e in layer.mlp.experts]),
+                torch.stack([getattr(e, down).weight for e in layer.mlp.experts]),
             )
             for layer in model.model.layers
         ]
@@ -477,3 +489,48 @@ def test_replacement_only_tensors_get_init_values_and_are_dropped_on_revert(capl
     assert model.model.layers[0].self_attn is snapshot[0]["model.layers.0.self_attn"]
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, trained)  # the trained values, same object
     assert model.model.layers[0].self_attn.q_proj.weight is q_weight
+
+
+class NormScaled(NormFromModule):
+    """Stores its weight under another name (``scale``): a rule moves ``weight`` there one way only."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps)
+        self.scale = self.weight
+        del self.weight
+
+    def forward(self, hidden):
+        variance = hidden.float().pow(2).mean(-1, keepdim=True)
+        return self.scale * (hidden.float() * torch.rsqrt(variance + self.eps)).to(hidden.dtype)
+
+
+class _OneWay(modelpatch.conversion.ops._tcml.ConversionOps):
+    """An operation without an inverse (its reverse cannot be built)."""
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        ((_, tensors),) = input_dict.items()
+        return {target_patterns[0]: tensors[0] if isinstance(tensors, list) else tensors}
+
+    @property
+    def reverse_op(self):
+        raise NotImplementedError("no inverse")
+
+
+def test_a_module_whose_tensors_cannot_be_moved_back_is_refused_unless_keep_original():
+    model = _build(LlamaForCausalLM, {})
+    snapshot = _snapshot(model)
+    names = ("input_layernorm", "post_attention_layernorm", "model.norm")
+    rules = {"llama": [modelpatch.WeightConverter(f"{n}.weight", f"{n}.scale", [_OneWay()]) for n in names]}
+    with pytest.raises(
+        InstancePatchError,
+        match=r"'model.layers.0.input_layernorm'.*do not give LlamaRMSNorm's tensors back.*keep_original",
+    ):
+        patch_model(model, {"^LlamaRMSNorm$": NormScaled}, conversion_rules=rules)
+    _assert_back(model, snapshot)  # nothing changed
+    with torch.no_grad():
+        before = model(INPUT_IDS).logits
+    with patch_model(model, {"^LlamaRMSNorm$": NormScaled}, conversion_rules=rules, keep_original=True):
+        assert type(model.model.norm) is NormScaled
+        with torch.no_grad():
+            assert (model(INPUT_IDS).logits - before).abs().max().item() < 1e-5
+    _assert_back(model, snapshot)

@@ -671,7 +671,7 @@ def patch_model(
     fired: set[int] = set()
     for target in targets:
         _refuse_dispatched(target.path, target.module)
-        fired |= _validate(model, target, transfer, ties, strict_rules)
+        fired |= _validate(model, target, transfer, ties, strict_rules, keep_original)
     unused = [r for r in user.rules if id(r) not in fired]
     for rule in unused:
         message = f"Conversion rule {rule!r} (registered as {user.owner.get(id(rule))!r}) moved no tensor of the modules patch_model replaces"
@@ -706,7 +706,9 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _validate(model: nn.Module, target: _Target, transfer: TransferRules, ties: dict, strict: bool) -> set[int]:
+def _validate(
+    model: nn.Module, target: _Target, transfer: TransferRules, ties: dict, strict: bool, keep_original: bool
+) -> set[int]:
     """Build ``target``'s replacement on ``meta`` and move meta stand-ins of its tensors: every key, shape, tie and
     constructor argument is checked before anything is changed. Returns the ids of the rules that fired."""
     path, original, rule = target.path, target.module, target.rule
@@ -765,11 +767,16 @@ def _validate(model: nn.Module, target: _Target, transfer: TransferRules, ties: 
     target.missing = set(missing)
     target.reversible = _round_trips(model, transfer, moved, expected, stand_ins, target.missing)
     if not target.reversible:
-        logger.warning(
-            f"modelpatch: patch_model of '{path}': the inverse rules do not give the original tensors back, so "
-            f"{type(original).__name__} keeps its own tensors and revert only swaps it back (what is trained on "
-            "the replacement is not written back)"
+        message = (
+            f"patch_model of '{path}': the inverse conversion rules do not give {type(original).__name__}'s tensors "
+            "back, so revert could not write what is trained on the replacement back into it"
         )
+        if not keep_original:
+            raise InstancePatchError(
+                message + "; pass keep_original=True to patch anyway (revert then swaps the untouched original "
+                "back and drops the training), or add the rules that invert exactly. The model was not modified."
+            )
+        logger.info(message + " (keep_original=True: revert swaps the original back)")
     state_keys = set(built.state_dict(keep_vars=True))
     others = [k for k, _ in built.named_buffers() if k not in state_keys]  # non-persistent buffers: __init__ values
     target.real_build = bool(missing or others or _meta_attributes(built))

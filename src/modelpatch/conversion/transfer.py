@@ -165,8 +165,17 @@ class TransferRules:
             reverse=True,
             references=ReferenceShapes(dict(recorded), model),
         )
-        builtins = [r for r in self.builtins if id(r) in fired]
-        stage_a = _run(stage_b.tensors, builtins, reverse=False, references=ReferenceShapes(dict(model_shapes)))
+        # the built-in converters that fired, and every built-in renaming: stage B's reverse may have produced the
+        # checkpoint names they rename (Mixtral's recipe renames block_sparse_moe -> mlp as its built-ins do)
+        builtins = [r for r in self.builtins if id(r) in fired or not isinstance(r, _tcml.WeightConverter)]
+        undone = [r for r in self.key_renamings if id(r) in fired]  # stage B's reverse undid them: apply them again
+        stage_a = _run(
+            stage_b.tensors,
+            builtins,
+            reverse=False,
+            key_renamings=undone,
+            references=ReferenceShapes(dict(model_shapes)),
+        )
         return stage_b.then(stage_a)
 
     def _refuse_unsupported(self, tensors: dict) -> None:

@@ -42,7 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .errors import RouterContractError
-from .kinds import TOPK
+from .kinds import TOPK, is_router_topk
 
 __all__ = ["CompiledRouter", "CompiledOwner", "HANDLERS", "compiled_router_info", "compiled_owner_info"]
 
@@ -161,13 +161,10 @@ class _CompiledTopKMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.topk or func is torch.Tensor.topk:
+        info = self.info
+        if is_router_topk(func, args, kwargs, info.top_k, info.num_experts):
             inp = args[0]
-            k = args[1] if len(args) > 1 else kwargs.get("k")
-            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-            largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-            info = self.info
-            if k == info.top_k and largest and inp.dim() == 2 and inp.shape[-1] == info.num_experts and dim in (-1, 1):
+            if True:
                 self.hits += 1
                 values, natural = func(*args, **kwargs)
                 # one graph for record and replay: record gets its natural indices back, whose gathered scores

@@ -96,6 +96,18 @@ class RouterKind:
         raise NotImplementedError
 
 
+def is_router_topk(func, args: tuple, kwargs: dict, top_k: int, num_experts: int) -> bool:
+    """Whether a ``__torch_function__`` call is the router's expert choice: ``torch.topk(scores, top_k, dim=-1)``
+    (largest) over ``(tokens, num_experts)`` scores. The one matching rule of eager and compiled routing."""
+    if func is not torch.topk and func is not torch.Tensor.topk:
+        return False
+    inp = args[0]
+    k = args[1] if len(args) > 1 else kwargs.get("k")
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+    return bool(k == top_k and largest and inp.dim() == 2 and inp.shape[-1] == num_experts and dim in (-1, 1))
+
+
 class _RoutingTopKMode(TorchFunctionMode):
     def __init__(self, site, forced: torch.Tensor | None):
         super().__init__()
@@ -108,12 +120,9 @@ class _RoutingTopKMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.topk or func is torch.Tensor.topk:
+        if is_router_topk(func, args, kwargs, self.top_k, self.num_experts):
             inp = args[0]
-            k = args[1] if len(args) > 1 else kwargs.get("k")
-            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-            largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-            if k == self.top_k and largest and inp.dim() == 2 and inp.shape[-1] == self.num_experts and dim in (-1, 1):
+            if True:
                 self.hits += 1
                 out = func(*args, **kwargs)
                 self.natural = out[1]
