@@ -188,6 +188,9 @@ def test_routing_check_errors_are_one_line(rollout, capsys):
     assert main([*base, "--routes", str(folder / "bad.npy"), "--input-ids", str(folder / "ids.npy")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "layer 0, sequence 0, row 0: expert ids repeated" in err
+    np.save(folder / "batch.npy", np.stack([np.load(folder / "routes.npy")] * 2))  # 2 sequences, ids of 1
+    assert main([*base, "--routes", str(folder / "batch.npy"), "--input-ids", str(folder / "ids.npy")]) == 2
+    assert "--routes holds a batch of 2 sequences" in capsys.readouterr().err
 
 
 def test_replay_measures_drift_without_an_extra_forward():

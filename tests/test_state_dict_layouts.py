@@ -279,3 +279,45 @@ def test_trainer_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     state, want, final = model.state_dict(), reference.state_dict(), last.state_dict()
     assert max((state[k] - want[k]).abs().max().item() for k in want) == 0.0
     assert max((final[k] - want[k]).abs().max().item() for k in want) > 1e-3
+
+
+def test_a_partial_group_is_written_into_its_rows_at_once(fused_llama):
+    # fresh-user trial: q_proj alone was held back silently and applied, stale, by a later unrelated call
+    model, path = fused_llama
+    saved = st.load_file(os.path.join(path, "model.safetensors"))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    before = qkv.weight.detach().clone()
+    new_q = torch.randn(64, 64)
+    result = model.load_state_dict({"model.layers.0.self_attn.q_proj.weight": new_q}, strict=False)
+    assert torch.equal(qkv.weight[:64], new_q) and torch.equal(qkv.weight[64:], before[64:])  # as an unpatched model
+    assert result.unexpected_keys == []
+    assert "model.layers.0.self_attn.k_proj.weight" in result.missing_keys
+    assert "model.layers.0.self_attn.q_proj.weight" not in result.missing_keys
+    k, v = (saved[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "kv")
+    model.load_state_dict({"model.layers.0.self_attn.k_proj.weight": k + 1}, strict=False)
+    model.load_state_dict({"model.layers.0.self_attn.v_proj.weight": v}, strict=False)
+    assert torch.equal(qkv.weight, torch.cat([new_q, k + 1, v]))  # GQA rows: 64 q, 32 k, 32 v
+
+
+def test_the_same_parameter_in_both_layouts_is_refused(fused_llama):
+    from modelpatch.conversion import ConversionError
+
+    model, path = fused_llama
+    both = st.load_file(os.path.join(path, "model.safetensors"))
+    both["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(128, 64)
+    with pytest.raises(ConversionError, match=r"'model.layers.0.self_attn.qkv_proj.weight' is given twice"):
+        model.load_state_dict(both, strict=True)
+
+
+def test_a_partial_expert_group_is_written_into_its_expert_slice(tmp_path):
+    # attention fused by the recipe, experts still fused by Transformers' built-in rules (MergeModulelist+Concatenate)
+    path = _saved(tmp_path, Qwen2MoeForCausalLM, tiny_qwen2_moe_config())
+    model = _load("qwen2_moe-fused-qkv", path)
+    experts = model.model.layers[1].mlp.experts
+    before = experts.gate_up_proj.detach().clone()
+    gate = torch.randn(32, 64)
+    model.load_state_dict({"model.layers.1.mlp.experts.2.gate_proj.weight": gate}, strict=False)
+    assert torch.equal(experts.gate_up_proj[2, :32], gate)
+    assert torch.equal(experts.gate_up_proj[2, 32:], before[2, 32:]) and torch.equal(
+        experts.gate_up_proj[:2], before[:2]
+    )

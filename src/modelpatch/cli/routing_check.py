@@ -153,6 +153,11 @@ def main(args: argparse.Namespace) -> int:
         else:
             if routes.dim() == 3 and ids.shape[0] > 1:
                 raise CliError(f"--routes holds one sequence {tuple(routes.shape)}; --input-ids holds {ids.shape[0]}")
+            if routes.dim() == 4 and routes.shape[0] != ids.shape[0]:
+                raise CliError(
+                    f"--routes holds a batch of {routes.shape[0]} sequences {tuple(routes.shape)}; --input-ids holds "
+                    f"{ids.shape[0]} {tuple(ids.shape)}: give the token ids the routes were produced for"
+                )
             trace = RoutingTrace.from_routed_experts(
                 routes,
                 model,
@@ -198,9 +203,9 @@ def _plot(agreement, path: str, title: str) -> None:
     axis.set_ylabel("router disagreement (% of tokens)")
     axis.set_ylim(0, 100)
     axis.set_title(
-        f"{os.path.basename(title)}: {agreement.router_disagreement_rate:.1%} of routers, "
+        f"{os.path.basename(title)}\n{agreement.router_disagreement_rate:.1%} of routers disagree, "
         f"{agreement.token_flip_rate:.1%} of tokens flipped",
-        fontsize=9,
+        fontsize=8,
     )
     figure.tight_layout()
     try:
