@@ -295,3 +295,31 @@ def test_generate_with_any_cache_records_exactly_the_real_tokens(family, overrid
     assert trace.sequence_lengths == [9 + 2, 6 + 2]  # left padding is not a token; the last token is never fed
     for layer in trace.layers:
         assert all(torch.equal(a, b) for a, b in zip(trace[layer], reference[layer]))
+
+
+def test_a_layer_that_took_no_routes_in_a_replay_block_is_named_at_exit():
+    model = tiny_model("deepseek_v3", num_hidden_layers=3)  # MoE layers 1 and 2
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), record_routing(model) as trace:
+        model(ids)
+    layer = model.model.layers[2]
+    forward = layer.forward
+
+    def skip(hidden_states, *args, **kwargs):  # layer dropping: layer 2 does nothing in this forward
+        return hidden_states
+
+    with pytest.raises(RoutingReplayError, match=r"layer 2: 0 of 1"):
+        with torch.no_grad(), replay_routing(model, trace):
+            layer.forward = skip
+            try:
+                model(ids)
+            finally:
+                layer.forward = forward
+    inside = copy.deepcopy(model.model.layers[1].mlp)
+    with pytest.raises(RoutingReplayError, match=r"layer 1: 0 of 1"):
+        with torch.no_grad(), replay_routing(model, trace):
+            original, model.model.layers[1].mlp = model.model.layers[1].mlp, inside  # a router the block does not drive
+            try:
+                model(ids)
+            finally:
+                model.model.layers[1].mlp = original

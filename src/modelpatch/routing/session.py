@@ -538,8 +538,11 @@ class ReplaySession(_SessionDriver):
         self.cursor = [0] * len(self.lengths)
         self.closed = [False] * len(self.lengths)
         self.next_seq = 0
+        self.forwards = 0  # forwards of the owner in the block
+        self.routed: dict[int, int] = {s.layer_idx: 0 for s in self.sites}  # router calls per layer given routes
 
     def _assign(self, layout: ForwardLayout) -> None:
+        self.forwards += 1
         if layout.continuation and self._last_seqs:
             if len(self._last_seqs) != len(layout.slots):
                 raise RoutingReplayError(
@@ -577,6 +580,7 @@ class ReplaySession(_SessionDriver):
                 f"layer {site.layer_idx}: router called outside a forward of {type(self.owner).__name__}; "
                 "replay needs the forward to go through the module owning the decoder layers"
             )
+        self.routed[site.layer_idx] = self.routed.get(site.layer_idx, 0) + 1
         if layout.num_tokens != num_tokens:
             raise RoutingReplayError(
                 f"layer {site.layer_idx}: expected {layout.num_tokens} tokens at the router, received {num_tokens}"
@@ -651,7 +655,17 @@ class ReplaySession(_SessionDriver):
         )
 
     def check_complete(self) -> None:
-        """Raises :class:`RoutingReplayError` naming every sequence whose routes were not all consumed."""
+        """Raises :class:`RoutingReplayError` naming every sequence whose routes were not all consumed, and every MoE
+        layer whose router was not given its routes in every forward (a layer skipped, or a router that ran its
+        natural routing: replaced or added inside the block, outside what replay drives)."""
+        short = [
+            f"layer {layer}: {n} of {self.forwards}" for layer, n in sorted(self.routed.items()) if n < self.forwards
+        ]
+        if short:
+            raise RoutingReplayError(
+                "replay: some MoE layers did not take their routes in every forward of the block (skipped, or their "
+                "router ran its natural routing): " + "; ".join(short)
+            )
         leftover = [
             f"sequence {i}: {self.cursor[i]} of {n} tokens replayed"
             for i, n in enumerate(self.lengths)
