@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from memory import reset_peak, status_mb
 
 RECIPE = "qwen3_moe-linear-experts"
 
@@ -48,28 +49,6 @@ def _config(layers: int):
         vocab_size=32000,
         tie_word_embeddings=False,
     )
-
-
-def _status_mb(field: str) -> float:
-    """``VmHWM`` (peak RSS) or ``VmRSS`` of this process in MB (``ru_maxrss`` would carry the parent's peak over)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _reset_peak() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` value 5); whether it worked."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _touch(model) -> None:
@@ -112,12 +91,12 @@ def child(mode: str, folder: str, digest_path: str | None) -> None:
             for layer in model.model.layers
         )
         result["largest_module_mb"] = largest / 2**20
-        before = _status_mb("VmRSS")
-        result["peak_reset"] = _reset_peak()
+        before = status_mb("VmRSS")
+        result["peak_reset"] = reset_peak()
         start = time.perf_counter()
         recipe.patch(model)
         result["time_s"] = time.perf_counter() - start
-        result["patch_extra_mb"] = _status_mb("VmHWM") - before
+        result["patch_extra_mb"] = status_mb("VmHWM") - before
     result["params"] = sum(p.numel() for p in model.parameters())
     if digest_path:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, digest_path)
@@ -147,7 +126,7 @@ def peak_child(mode: str, folder: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(folder)
         _touch(model)
         recipe.patch(model)
-    print(_status_mb("VmHWM"))
+    print(status_mb("VmHWM"))
 
 
 def _env() -> dict:

@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from memory import reset_peak, status_mb
+
 RECIPE = "qwen2_moe-fused-qkv"
 
 
@@ -64,25 +66,6 @@ def _config(layers: int, small: bool = False):
         vocab_size=32000,
         tie_word_embeddings=False,
     )
-
-
-def _status_mb(field: str) -> float:
-    """``VmHWM`` (peak RSS) or ``VmRSS`` of this process in MB."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` value 5); whether it worked."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _build(layers: int, small: bool = False):
@@ -123,30 +106,30 @@ def child(layers: int, folder: str) -> None:
     }
     del names
 
-    before = _status_mb("VmRSS")
-    result["peak_reset"] = _reset_peak()
+    before = status_mb("VmRSS")
+    result["peak_reset"] = reset_peak()
     start = time.perf_counter()
     for _, tensor in iter_original_state_dict(model):
         staging[: tensor.numel()].copy_(tensor.reshape(-1))
         del tensor
     result["stream_s"] = time.perf_counter() - start
-    result["stream_extra_mb"] = _status_mb("VmHWM") - before
+    result["stream_extra_mb"] = status_mb("VmHWM") - before
 
-    before = _status_mb("VmRSS")
-    _reset_peak()
+    before = status_mb("VmRSS")
+    reset_peak()
     start = time.perf_counter()
     whole = dict(iter_original_state_dict(model))
     result["dict_s"] = time.perf_counter() - start
-    result["dict_extra_mb"] = _status_mb("VmHWM") - before
+    result["dict_extra_mb"] = status_mb("VmHWM") - before
     del whole
 
     target = os.path.join(folder, "saved")
-    before = _status_mb("VmRSS")
-    _reset_peak()
+    before = status_mb("VmRSS")
+    reset_peak()
     start = time.perf_counter()
     model.save_pretrained(target)
     result["save_s"] = time.perf_counter() - start
-    result["save_extra_mb"] = _status_mb("VmHWM") - before
+    result["save_extra_mb"] = status_mb("VmHWM") - before
 
     saved = load_file(os.path.join(target, "model.safetensors"))
     same = True
