@@ -54,11 +54,12 @@ class SampleRoutes:
 
 def _samples_from_trace(trace: RoutingTrace, prompt_ids: list, completion_ids: list) -> list[SampleRoutes]:
     samples = []
+    per_layer = {layer: trace.layer_routes(layer) for layer in trace.layers}  # decoded once, not once per sample
     for i, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
         n = len(prompt) + len(completion)
         routes = {}
         for layer in trace.layers:
-            rows = trace.layer_routes(layer)[i][:n]
+            rows = per_layer[layer][i][:n]
             if rows.shape[0] < n:
                 rows = torch.cat([rows, rows.new_full((n - rows.shape[0], trace.top_k[layer]), -1)])
             routes[layer] = rows
