@@ -164,17 +164,16 @@ class _CompiledTopKMode(TorchFunctionMode):
         info = self.info
         if is_router_topk(func, args, kwargs, info.top_k, info.num_experts):
             inp = args[0]
-            if True:
-                self.hits += 1
-                values, natural = func(*args, **kwargs)
-                # one graph for record and replay: record gets its natural indices back, whose gathered scores
-                # are the natural top-k values
-                idx = torch.ops.modelpatch.routing_route(info.key, natural)
-                values = inp.gather(-1, idx)
-                if values.is_floating_point():  # kinds._floor_probabilities, without a data-dependent branch
-                    floored = values.clamp_min(torch.finfo(values.dtype).tiny)
-                    values = torch.where((inp < 0).any(), values, floored)
-                return torch.return_types.topk((values, idx))
+            self.hits += 1
+            values, natural = func(*args, **kwargs)
+            # one graph for record and replay: record gets its natural indices back, whose gathered scores
+            # are the natural top-k values
+            idx = torch.ops.modelpatch.routing_route(info.key, natural)
+            values = inp.gather(-1, idx)
+            if values.is_floating_point():  # kinds._floor_probabilities, without a data-dependent branch
+                floored = values.clamp_min(torch.finfo(values.dtype).tiny)
+                values = torch.where((inp < 0).any(), values, floored)
+            return torch.return_types.topk((values, idx))
         return func(*args, **kwargs)
 
 

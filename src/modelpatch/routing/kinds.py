@@ -122,21 +122,20 @@ class _RoutingTopKMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if is_router_topk(func, args, kwargs, self.top_k, self.num_experts):
             inp = args[0]
-            if True:
-                self.hits += 1
-                out = func(*args, **kwargs)
-                self.natural = out[1]
-                if self.forced is None:
-                    self.indices = out[1]
-                    return out
-                if self.forced.shape != out[1].shape:
-                    raise RouterContractError(
-                        f"expected forced indices of shape {tuple(out[1].shape)} (tokens, top_k), "
-                        f"received {tuple(self.forced.shape)}"
-                    )
-                idx = _merge_forced(out[1], self.forced)
-                self.indices = idx
-                return torch.return_types.topk((_floor_probabilities(inp, inp.gather(-1, idx)), idx))
+            self.hits += 1
+            out = func(*args, **kwargs)
+            self.natural = out[1]
+            if self.forced is None:
+                self.indices = out[1]
+                return out
+            if self.forced.shape != out[1].shape:
+                raise RouterContractError(
+                    f"expected forced indices of shape {tuple(out[1].shape)} (tokens, top_k), "
+                    f"received {tuple(self.forced.shape)}"
+                )
+            idx = _merge_forced(out[1], self.forced)
+            self.indices = idx
+            return torch.return_types.topk((_floor_probabilities(inp, inp.gather(-1, idx)), idx))
         return func(*args, **kwargs)
 
 
