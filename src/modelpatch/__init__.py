@@ -99,4 +99,15 @@ __all__ = [
     "convert_checkpoint",
     "bind_conversion_rules",
     "iter_original_state_dict",
+    # quantisation
+    "calibrate_all_experts",
 ]
+
+
+def __getattr__(name: str):
+    """Names imported on first use (PEP 562), so ``import modelpatch`` does not import the recipes."""
+    if name == "calibrate_all_experts":
+        from .recipes.calibration import calibrate_all_experts
+
+        return calibrate_all_experts
+    raise AttributeError(f"module 'modelpatch' has no attribute {name!r}")

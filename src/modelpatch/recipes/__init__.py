@@ -14,6 +14,9 @@ built-in expert fusion dropped). :mod:`.base` defines :class:`Recipe` and :class
 ``<type>-linear-experts``  qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3 (:mod:`.experts`); Hub layout
 ``...-from-fused``         the same for checkpoints saved in Transformers' fused experts layout
 =========================  ===========================================================================
+
+:mod:`.calibration` has :func:`~.calibration.calibrate_all_experts` (every expert of the per-expert recipes runs on
+every token, for GPTQ/AWQ-style calibration observers).
 """
 
 from __future__ import annotations
