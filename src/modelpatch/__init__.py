@@ -9,6 +9,8 @@ replacement classes, and record/replay MoE routing (:mod:`modelpatch.routing`). 
 ``from_pretrained``/``from_config`` build; nothing else in the process is changed.
 """
 
+from typing import Any
+
 from .blocks import apply_patches
 from .conversion import (
     Chunk,
@@ -104,7 +106,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """Names imported on first use (PEP 562), so ``import modelpatch`` does not import the recipes."""
     if name == "calibrate_all_experts":
         from .recipes.calibration import calibrate_all_experts
