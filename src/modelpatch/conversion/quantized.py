@@ -191,14 +191,23 @@ def row_split_only(rule) -> bool:
     )
 
 
-def check_reverse_groups(plan, params: dict[str, QuantizedParam], label: str) -> None:
-    """Refuse (:class:`QuantizedSaveError`) a reverse ``plan`` (over the model-layout keys of the saved state dict)
-    that converts a quantized weight in a way that is not exact: a group that is not a pure row split, or a row
-    split of a format that is not row-exact, or of a key that is not a row component."""
+def check_reverse_groups(plan, named_plan, params: dict[str, QuantizedParam], label: str) -> None:
+    """Refuse (:class:`QuantizedSaveError`) to save a quantized weight through a reverse conversion that is not exact.
+
+    ``plan``: the reverse plan over the keys of the saved state dict (the quantizer's components); ``named_plan``: the
+    same rules over the model's parameter names (built with ``incomplete=[]``), which sees the rules written for
+    ``<module>.weight``. A weight is refused when a group of either plan takes it and the format is not row-exact,
+    or the rule does more than split rows (stacking per-expert weights back into a fused 3-D tensor), or a rule takes
+    the weight by its name but not its saved components (those would be written unconverted)."""
     owner = {key: p for p in params.values() for key in p.rows + p.copied}
-    for group in plan.groups.values():
-        touched = {owner[key].name: owner[key] for key in group.source_keys() if key in owner}
-        for param in touched.values():
+    converted = {key for group in plan.groups.values() for key in group.source_keys()}
+    groups = [(g, False) for g in plan.groups.values()] + [(g, True) for g in named_plan.groups.values()]
+    for group, by_name in groups:
+        if by_name:
+            touched = {params[key] for key in group.source_keys() if key in params}
+        else:
+            touched = {owner[key] for key in group.source_keys() if key in owner}
+        for param in sorted(touched, key=lambda p: p.name):
             if not param.row_exact:
                 raise QuantizedSaveError(param.name, param.quantizer, f"{param.why}, and {group.rule!r} converts it")
             if not row_split_only(group.rule):
@@ -208,9 +217,13 @@ def check_reverse_groups(plan, params: dict[str, QuantizedParam], label: str) ->
                     f"{group.rule!r} does more than split its rows; quantized components cannot be merged or "
                     "stacked back exactly",
                 )
-            copied = [k for k in group.source_keys() if k in param.copied]
-            if copied:
-                raise ModelpatchValueError(f"internal: '{copied[0]}' should have been set aside before the split")
+            missed = [key for key in param.rows if key not in converted]
+            if by_name and missed:
+                raise QuantizedSaveError(
+                    param.name,
+                    param.quantizer,
+                    f"{group.rule!r} names the weight itself, not its saved components (e.g. '{missed[0]}')",
+                )
 
 
 # --- pre-quantized loads ---------------------------------------------------------------------------------------

@@ -269,7 +269,9 @@ def quantized_original_layout(model) -> tuple[dict[str, torch.Tensor], dict[str,
         if k not in copied_keys and isinstance(v, torch.Tensor)
     }
     plan = build_plan(metas.items(), rules, reverse=True)
-    check_reverse_groups(plan, params, label)
+    names = {k for k in model.state_dict() if k not in metas} | set(metas)
+    named = [(k, torch.empty(0, device="meta")) for k in sorted(names)]
+    check_reverse_groups(plan, build_plan(named, rules, reverse=True, incomplete=[]), params, label)
     dry = plan.dry_run(references)
     source_of = {id(obj): key for key, obj in metas.items()}
     origin = {name: source_of.get(id(obj), name) for name, obj in plan.passthrough.items()}
