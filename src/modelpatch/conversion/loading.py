@@ -147,7 +147,7 @@ def convert_and_load(model, state_dict, load_config, disk_offload_index, resolve
         model, state_dict.items(), resolved, transformers_renamings(builtins), True, quantizer=quantizer
     )
     if quantizer is not None:
-        fix_prequantized_metadata(quantizer, dry)
+        fix_prequantized_metadata(quantizer, dry, plan.renamed)
     converted = dict(plan.passthrough)
     converted.update(plan.lazy_outputs(dry, release_mapped_sources=True))  # the loader's own file handles
     result = original(model, converted, dataclasses.replace(load_config, weight_mapping=builtins), disk_offload_index)

@@ -297,11 +297,12 @@ def prepare_prequantized_items(items: list, resolved_rules: list, quantizer) -> 
     return kept
 
 
-def fix_prequantized_metadata(quantizer, dry: dict) -> None:
+def fix_prequantized_metadata(quantizer, dry: dict, renamed=()) -> None:
     """Give each converted torchao component group (``dry``: ``{output name: (shape, dtype, group)}`` of the load
     plan) the safetensors metadata of its sources, under the converted parameter's name, in ``quantizer.metadata``
     (Transformers' torchao deserializer looks it up by the model's parameter name). Sources must share one entry
-    (same format, same input features) and be quantized row by row.
+    (same format, same input features) and be quantized row by row. ``renamed``: the plan's ``(rule, key, new
+    key)`` renamings, whose components take their weight's entry under the new name.
 
     Raises:
         ConversionError: no entry for a source, sources with different entries, or an entry that is not row-wise.
@@ -341,6 +342,11 @@ def fix_prequantized_metadata(quantizer, dry: dict) -> None:
                 "(only int8 weights quantized row by row can). Nothing was loaded."
             )
         added[param] = entry
+    for _, key, new_key in renamed:
+        old, new = pattern.match(key), pattern.match(new_key)
+        entry = metadata.get(f"{old['module']}.{old['param']}") if old and new else None
+        if entry is not None and json.loads(entry).get("_type") != "Tensor":
+            added[f"{new['module']}.{new['param']}"] = entry
     for param, entry in added.items():
         metadata[param] = entry
         if param not in names:
