@@ -12,7 +12,13 @@ import torchao  # noqa: F401
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from helpers import tiny_llama_config, tiny_mixtral_config, tiny_qwen2_config, tiny_qwen2_moe_config, tiny_qwen3_moe_config
+from helpers import (
+    tiny_llama_config,
+    tiny_mixtral_config,
+    tiny_qwen2_config,
+    tiny_qwen2_moe_config,
+    tiny_qwen3_moe_config,
+)
 from modelpatch.cli.quantize import QUANTIZATIONS, dequantized_weight, is_quantized
 
 # recipe -> tiny config (GQA; qwen2 with its q/k/v biases)

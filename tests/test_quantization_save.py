@@ -22,7 +22,10 @@ from quantization_support import IDS, checkpoint, quantization_config, save_chec
 
 ROW_EXACT = ["torchao-int8", "bnb-8bit"]
 # saved components of one weight, relative to its module, per quantizer (row components first)
-COMPONENTS = {"torchao-int8": ("._weight_qdata", "._weight_scale", "._weight_zero_point"), "bnb-8bit": (".weight", ".SCB")}
+COMPONENTS = {
+    "torchao-int8": ("._weight_qdata", "._weight_scale", "._weight_zero_point"),
+    "bnb-8bit": (".weight", ".SCB"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,8 @@ def test_fused_qkv_saves_split_rows_and_reloads_bit_exact(checkpoints, tmp_path,
                 assert torch.equal(piece, fused_state[fused + component][start : start + rows])
             if quantizer == "bnb-8bit":
                 assert torch.equal(
-                    tensors[f"model.layers.{layer}.self_attn.{part}.weight_format"], fused_state[fused + ".weight_format"]
+                    tensors[f"model.layers.{layer}.self_attn.{part}.weight_format"],
+                    fused_state[fused + ".weight_format"],
                 )
             else:
                 entry = json.loads(metadata[f"model.layers.{layer}.self_attn.{part}.weight"])
@@ -87,12 +91,15 @@ def test_fused_qkv_saves_split_rows_and_reloads_bit_exact(checkpoints, tmp_path,
         assert "model.layers.0.self_attn.k_proj.weight" in names and not [n for n in names if "qkv" in n]
 
     reloaded = load(tmp_path / "saved", recipe)  # pre-quantized, with the recipe: the same fused weight
-    assert type(reloaded.model.layers[0].self_attn.qkv_proj.weight) is type(model.model.layers[0].self_attn.qkv_proj.weight)
+    assert type(reloaded.model.layers[0].self_attn.qkv_proj.weight) is type(
+        model.model.layers[0].self_attn.qkv_proj.weight
+    )
     assert torch.equal(logits(reloaded), expected)
     plain = load(tmp_path / "saved", None)  # pre-quantized, plain Transformers: separate q/k/v, same rows
-    assert type(plain.model.layers[0].self_attn.k_proj.weight).__name__ == type(
-        model.model.layers[0].self_attn.qkv_proj.weight
-    ).__name__
+    assert (
+        type(plain.model.layers[0].self_attn.k_proj.weight).__name__
+        == type(model.model.layers[0].self_attn.qkv_proj.weight).__name__
+    )
     assert (logits(plain) - expected).abs().max() <= 1e-6  # measured 0.0
 
 

@@ -85,15 +85,16 @@ QUANTIZATIONS: dict[str, Quantization] = {
 """Every ``--quantization`` name."""
 
 
-def quantization_config(name: str):
-    """``(Quantization, quantization_config)`` for ``name``.
+def quantization_config(name: str, known: dict[str, Quantization] | None = None):
+    """``(Quantization, quantization_config)`` for ``name`` among ``known`` (default :data:`QUANTIZATIONS`).
 
     Raises:
         CliError: an unknown name (the known ones listed), or a backend that is not installed (the extra named).
     """
-    quantization = QUANTIZATIONS.get(name)
+    known = QUANTIZATIONS if known is None else known
+    quantization = known.get(name)
     if quantization is None:
-        raise CliError(f"unknown quantization '{name}'; known: {', '.join(QUANTIZATIONS)}")
+        raise CliError(f"unknown quantization '{name}'; known: {', '.join(known)}")
     try:
         importlib.import_module(quantization.module)
     except ImportError as exc:
@@ -116,7 +117,7 @@ def is_quantized(module: torch.nn.Module) -> bool:
 def dequantized_weight(module: torch.nn.Module) -> torch.Tensor:
     """``module.weight`` as a float32 ``(out, in)`` tensor: torchao and quanto tensors' ``dequantize()``,
     bitsandbytes' ``dequantize_bnb_weight``; a full-precision weight as it is."""
-    weight = module.weight
+    weight: Any = module.weight
     kind = type(weight).__name__
     if kind in ("Int8Params", "Params4bit"):
         from transformers.integrations.bitsandbytes import dequantize_bnb_weight
@@ -209,7 +210,9 @@ def run_quantized(
         with recipe.apply():
             model = cls.from_pretrained(model_dir, dtype=dtype, quantization_config=config).eval()
     except Exception as exc:  # noqa: BLE001 - the loader's message is the answer
-        raise CliError(f"quantized ({name}) patched load of '{model_dir}' failed: {type(exc).__name__}: {exc}") from None
+        raise CliError(
+            f"quantized ({name}) patched load of '{model_dir}' failed: {type(exc).__name__}: {exc}"
+        ) from None
     result.census = census(model)
     actual, _ = output(model, inputs)
     result.max_abs_diff = float((actual - reference).abs().max()) if actual.shape == reference.shape else float("inf")

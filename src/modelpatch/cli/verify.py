@@ -404,7 +404,7 @@ def render(result: VerifyResult) -> str:
     out.append(section("parameter provenance", body))
     if result.quantization is not None:
         c = result.quantization.census
-        rows = [
+        rows: list[list[object]] = [
             ["Linear layers quantized", f"{c.linear_quantized} of {c.linear}"],
             ["expert Linear layers quantized", f"{c.experts_quantized} of {c.experts}"],
             ["not quantized", ", ".join(c.not_quantized) or "-"],

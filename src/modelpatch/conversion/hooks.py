@@ -27,8 +27,8 @@ import threading
 
 from transformers import modeling_utils as _mu
 
-from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
 from ..patching.scopes import active_scopes
+from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
 from .loading import convert_and_load
 from .quantized import quantizer_label, warn_fused_experts_left
 from .registry import set_hooks_installed

@@ -95,7 +95,9 @@ def prepare(
         for name in dry:
             if model_key(name, model_shapes, prefix) is None:
                 param = prequantized_companion(name, quantizer, model_shapes)
-                param = param or prequantized_companion(name, quantizer, {k.removeprefix(f"{prefix}.") for k in model_shapes})
+                param = param or prequantized_companion(
+                    name, quantizer, {k.removeprefix(f"{prefix}.") for k in model_shapes}
+                )
                 if param is not None:
                     companions[name] = model_key(param, model_shapes, prefix)
     _leave_absent_modules_unconverted(plan, dry, {**model_shapes, **dict.fromkeys(companions)}, prefix)

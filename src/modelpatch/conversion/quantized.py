@@ -35,7 +35,7 @@ import torch
 from transformers import core_model_loading as _tcml
 from transformers.utils import logging
 
-from ..errors import ModelpatchError, ModelpatchValueError
+from ..errors import ModelpatchError
 from .errors import ConversionError
 from .ops import Chunk, Concatenate
 from .rules import match_rule
@@ -318,7 +318,7 @@ def fix_prequantized_metadata(quantizer, dry: dict, renamed=()) -> None:
         if found is None:
             continue
         param = f"{found['module']}.{found['param']}"
-        entries = set()
+        entries: set[str] = set()
         for source in group.source_keys():
             source_match = pattern.match(source)
             entry = metadata.get(f"{source_match['module']}.{source_match['param']}") if source_match else None
@@ -344,7 +344,9 @@ def fix_prequantized_metadata(quantizer, dry: dict, renamed=()) -> None:
         added[param] = entry
     for _, key, new_key in renamed:
         old, new = pattern.match(key), pattern.match(new_key)
-        entry = metadata.get(f"{old['module']}.{old['param']}") if old and new else None
+        if old is None or new is None:
+            continue
+        entry = metadata.get(f"{old['module']}.{old['param']}")
         if entry is not None and json.loads(entry).get("_type") != "Tensor":
             added[f"{new['module']}.{new['param']}"] = entry
     for param, entry in added.items():

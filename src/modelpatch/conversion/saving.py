@@ -299,7 +299,9 @@ def quantized_original_layout(model) -> tuple[dict[str, torch.Tensor], dict[str,
                 if output in state_dict or output not in params_by_key:
                     source = output
                 else:
-                    raise ConversionError(f"'{output}' has no known source: its torchao metadata cannot be carried over")
+                    raise ConversionError(
+                        f"'{output}' has no known source: its torchao metadata cannot be carried over"
+                    )
             name, entry = _metadata_for(output, source, params_by_key, metadata)
             new_metadata[name] = entry
         new_metadata["tensor_names"] = json.dumps(list(new_metadata))
