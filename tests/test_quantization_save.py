@@ -207,3 +207,24 @@ def test_fused_experts_left_in_full_precision_warn_once(checkpoints, caplog):
     with caplog.at_level(logging.WARNING, logger="modelpatch.conversion"):
         load(path, "qwen3_moe-linear-experts", "torchao-int8")
     assert not [r for r in caplog.records if "fused experts" in r.getMessage()]
+
+
+@pytest.mark.parametrize("quantizer", ROW_EXACT)
+def test_pre_quantized_plain_checkpoint_loads_into_the_fused_qkv_recipe(checkpoints, tmp_path, quantizer):
+    """A checkpoint quantized by plain Transformers (separate q/k/v components) loads inside the fused-QKV recipe:
+    each component is concatenated by rows, exactly."""
+    plain = load(checkpoints["llama-fused-qkv"], None, quantizer)
+    plain.save_pretrained(tmp_path / "plain")
+    tensors, _ = saved(tmp_path / "plain")
+    model = load(tmp_path / "plain", "llama-fused-qkv")
+    state = model.hf_quantizer.get_state_dict_and_metadata(model)[0] or model.state_dict()
+    for component in COMPONENTS[quantizer]:
+        parts = [tensors[f"model.layers.1.self_attn.{p}_proj{component}"] for p in "qkv"]
+        assert torch.equal(state[f"model.layers.1.self_attn.qkv_proj{component}"], torch.cat(parts))
+    assert (logits(model) - logits(plain)).abs().max() <= 1e-6  # measured 0.0
+
+
+def test_pre_quantized_bnb_4bit_components_refuse_conversion(checkpoints, tmp_path):
+    load(checkpoints["llama-fused-qkv"], None, "bnb-4bit").save_pretrained(tmp_path / "plain")
+    with pytest.raises(ModelpatchError, match=r"bitsandbytes 4-bit component .* Nothing was loaded"):
+        load(tmp_path / "plain", "llama-fused-qkv")
