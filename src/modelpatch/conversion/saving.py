@@ -4,6 +4,10 @@
 :func:`iter_original_state_dict` (weight sync to an inference engine) take the same path: :func:`original_layout`
 picks the rules of both stages for the model and :func:`.streaming.iter_reverted` converts group by group;
 ``save_pretrained`` collects every group in one dict, :func:`iter_original_state_dict` hands them out one by one.
+
+A quantized model that carries conversion state takes :func:`quantized_original_layout` instead (the quantizer's
+saved components split by rows where that is exact, else :class:`~.quantized.QuantizedSaveError`), computed by the
+``save_pretrained`` wrapper of :mod:`modelpatch.integrations.transformers` before anything is written.
 """
 
 from __future__ import annotations
