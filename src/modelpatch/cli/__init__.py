@@ -22,6 +22,7 @@ Modules: the subcommands (each exposes ``add_parser(subparsers)`` and ``main(arg
 ``checkpoint``  reading a checkpoint folder (config, safetensors headers, index) with one-line errors
 ``inputs``      deterministic inputs and the generated default checkpoint (``$MODELPATCH_CACHE``)
 ``provenance``  every parameter compared by value with the checkpoint tensor it came from
+``quantize``    ``verify --quantization``: quantizer names, what was quantized, the quantized save round trip
 ``render``      tables, JSON and plain-text help
 ``errors``      :class:`CliError` and the exit codes
 """

@@ -8,6 +8,10 @@ Checks (each one line in the summary; any failure → exit status 1):
 ``outputs``     max abs difference of the outputs (logits, or mean-pooled embeddings for encoders) ≤ ``--atol``
 ``round trip``  patched → ``save_pretrained`` → plain Transformers load equals the vanilla load bit for bit
 
+With ``--quantization NAME`` (see :mod:`.quantize`) two more: ``quantized`` (every expert Linear quantized, no fused
+experts parameter left in full precision, outputs within the quantizer's usual error of the full-precision patched
+model) and ``quantized save`` (saved, reloaded pre-quantized with the recipe: the same outputs bit for bit).
+
 With no ``--model`` and no ``--recipe``/``--patches`` it runs the founding document's full example (recipe
 ``qwen2_moe-full-example``) on the built-in tiny Qwen2-MoE checkpoint (see :mod:`.checkpoint`).
 
@@ -33,6 +37,7 @@ from .checkpoint import checkpoint_dir, checkpoint_keys, example_checkpoint, mod
 from .errors import EXIT_FAILED_CHECK, CliError
 from .inputs import model_inputs, model_output
 from .provenance import ParamSource, first_difference, parameter_provenance
+from .quantize import QUANTIZATIONS, QuantizedResult, quantization_config, run_quantized
 from .render import plain, section, strict_json, table
 from .sources import resolve_patches
 
@@ -67,6 +72,7 @@ class VerifyResult:
     load_seconds: dict = field(default_factory=dict)
     round_trip: str | None = "not run"
     unfired_rules: list = field(default_factory=list)
+    quantization: QuantizedResult | None = None
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -89,6 +95,7 @@ class VerifyResult:
             "output": {"kind": self.output_kind, "max_abs_diff": self.max_abs_diff, "atol": self.atol},
             "load_seconds": self.load_seconds,
             "round_trip": {"bit_exact": self.round_trip is None, "first_difference": self.round_trip},
+            "quantization": None if self.quantization is None else self.quantization.as_dict(),
             "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
         }
 
@@ -118,20 +125,25 @@ def run_verify(
     atol: float | None = None,
     progress: bool | None = None,
     source_args: str | None = None,
+    quantization: str | None = None,
 ) -> VerifyResult:
     """Run every check of ``verify`` on ``model_dir`` with ``recipe``; returns the result (never exits).
 
     ``source_args`` is how the recipe was given on the command line (``--recipe NAME``, ``--patches FILE``; default
-    ``--recipe <recipe.name>``), used in the advice of :func:`converted_layout_error`.
+    ``--recipe <recipe.name>``), used in the advice of :func:`converted_layout_error`. ``quantization``: a name of
+    :data:`.quantize.QUANTIZATIONS`; the quantized patched load is then measured too (:func:`.quantize.run_quantized`).
 
     Raises:
         CliError: the folder is not a checkpoint, is already in the layout the recipe converts to (the unpatched
-            reference would be random there), or a load itself fails (message of the error).
+            reference would be random there), or a load itself fails (message of the error); an unknown
+            quantization or one whose backend is not installed.
     """
     from ..conversion import conversion_report
     from ..patching.report import patch_report
 
     model_dir = checkpoint_dir(model_dir)
+    if quantization is not None:
+        quantization_config(quantization)  # an unknown name or a missing backend, before any load
     torch_dtype = DTYPES[dtype]
     atol = atol if atol is not None else (1e-5 if torch_dtype == torch.float32 else 2e-2)
     config = read_config(model_dir)
@@ -199,6 +211,11 @@ def run_verify(
         plain = cls.from_pretrained(saved_dir, dtype=torch_dtype).eval()
         result.round_trip = first_difference(plain.state_dict(), vanilla.state_dict())
         steps.update()
+        if quantization is not None:
+            steps.set_postfix_str(f"quantized ({quantization})")
+            result.quantization = run_quantized(
+                cls, model_dir, recipe, torch_dtype, quantization, actual, inputs, model_output
+            )
     result.checks = _checks(result, report)
     return result
 
@@ -318,7 +335,31 @@ def _checks(result: VerifyResult, report) -> list[Check]:
             result.round_trip is None,
             "bit-exact" if result.round_trip is None else f"first difference: {result.round_trip}",
         ),
-    ]
+    ] + _quantization_checks(result.quantization)
+
+
+def _quantization_checks(quantized: QuantizedResult | None) -> list[Check]:
+    if quantized is None:
+        return []
+    c = quantized.census
+    fine = c.experts_quantized == c.experts and not c.fused_experts and quantized.max_abs_diff <= quantized.atol
+    detail = (
+        f"{c.linear_quantized} of {c.linear} Linear layers, {c.experts_quantized} of {c.experts} expert Linear "
+        f"layers quantized; max abs diff to full precision {quantized.max_abs_diff:.3g} (atol {quantized.atol:g})"
+    )
+    if c.fused_experts:
+        detail += f"; {len(c.fused_experts)} fused experts parameter(s) in full precision (e.g. {c.fused_experts[0]})"
+    if quantized.round_trip_diff is None:
+        save = Check("quantized save", True, f"{quantized.saved_layout}: {quantized.save_note}")
+    else:
+        note = f" ({quantized.save_note})" if quantized.save_note else ""
+        save = Check(
+            "quantized save",
+            quantized.round_trip_diff == 0.0,
+            f"{quantized.saved_layout} layout{note}; reloaded pre-quantized with the recipe: max abs diff "
+            f"{quantized.round_trip_diff:.3g}",
+        )
+    return [Check("quantized", fine, detail), save]
 
 
 def render(result: VerifyResult) -> str:
@@ -361,6 +402,18 @@ def render(result: VerifyResult) -> str:
     if bad:
         body += "\n" + table(["parameter", "status", "detail"], [[p.name, p.status, p.detail] for p in bad[:20]])
     out.append(section("parameter provenance", body))
+    if result.quantization is not None:
+        c = result.quantization.census
+        rows: list[list[object]] = [
+            ["Linear layers quantized", f"{c.linear_quantized} of {c.linear}"],
+            ["expert Linear layers quantized", f"{c.experts_quantized} of {c.experts}"],
+            ["not quantized", ", ".join(c.not_quantized) or "-"],
+            ["fused experts in full precision", ", ".join(c.fused_experts) or "-"],
+            ["max abs diff to full precision", f"{result.quantization.max_abs_diff:.3g}"],
+            ["saved layout", result.quantization.saved_layout],
+            ["reload max abs diff", str(result.quantization.round_trip_diff)],
+        ]
+        out.append(section(f"quantization ({result.quantization.name})", table(["", ""], rows)))
     times = result.load_seconds
     out.append(section("load times", table(["load", "seconds"], [[k, f"{v:.3f}"] for k, v in times.items()])))
     out.append(
@@ -399,12 +452,19 @@ def add_parser(subparsers) -> None:
     source.add_argument("--patches", metavar="MODULE_OR_FILE", help="module or .py file defining PATCH_MAPPING")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="load dtype (default float32)")
     parser.add_argument("--atol", type=_tolerance, help="output tolerance (default 1e-5 for float32, else 2e-2)")
+    parser.add_argument(
+        "--quantization",
+        metavar="NAME",
+        help=f"also load the patched model quantized and save it ({', '.join(QUANTIZATIONS)})",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.quantization is not None:
+        quantization_config(args.quantization)  # an unknown name, a missing backend: one line, before any load
     if args.model is None and args.recipe is None and args.patches is None:
         recipe, model_dir = FULL_EXAMPLE, example_checkpoint()
     else:
@@ -420,6 +480,7 @@ def main(args: argparse.Namespace) -> int:
         atol=args.atol,
         progress=False if args.no_progress else None,
         source_args=source_args,
+        quantization=args.quantization,
     )
     print(strict_json(result.as_dict()) if args.json else render(result))
     return 0 if result.ok else EXIT_FAILED_CHECK

@@ -18,6 +18,8 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``wrappers``  seeing through wrapper modules of other libraries (PEFT's LoRA layers) on save; views registered by
               :mod:`modelpatch.integrations`
 ``streaming`` the reverse to the original layout group by group (Transformers' built-in reverse, then the user rules)
+``quantized`` quantized weights through conversion rules: components per quantizer, exact row splits, the save
+              refusal (:class:`QuantizedSaveError`), pre-quantized loads of a converted layout
 ``loading``   the ``from_pretrained`` path             ``saving``    the ``save_pretrained`` reverse and
               :func:`iter_original_state_dict` (weight sync), one path
 ``unloaded``  replacement parameters the checkpoint did not provide
@@ -33,6 +35,7 @@ from .manual import load_converted_state_dict
 from .offline import convert_checkpoint
 from .ops import Chunk, Concatenate, MergeModulelist, SplitModulelist, Transpose
 from .plan import ConversionRow
+from .quantized import QuantizedSaveError
 from .registry import (
     apply_conversion_rules,
     clear_checkpoint_conversion_mappings,
@@ -54,6 +57,7 @@ __all__ = [
     "ConversionShapeError",
     "MergeModulelist",
     "OriginalLayoutIterator",
+    "QuantizedSaveError",
     "SplitModulelist",
     "Transpose",
     "WeightConverter",

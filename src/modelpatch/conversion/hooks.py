@@ -14,7 +14,9 @@ Two module-level names of ``transformers.modeling_utils`` are replaced by thin w
 With no user rule in effect and a model that was not converted, the load wrapper calls the original with the same
 arguments (except for a model modelpatch built that loads PEFT adapters through ``model.load_adapter``: the adapter
 rules whose targets the model lacks are dropped, see :func:`.compose.transforms_in_force`), then only checks that the
-parameters of replacement modules came from the checkpoint (:mod:`.unloaded`). The wrappers are installed when
+parameters of replacement modules came from the checkpoint (:mod:`.unloaded`). A quantized load inside a patch
+scope or with user rules that leaves fused 3-D experts parameters in full precision warns, naming them
+(:func:`.quantized.warn_fused_experts_left`). The wrappers are installed when
 :mod:`modelpatch` is imported. :func:`uninstall` restores the originals.
 """
 
@@ -25,8 +27,10 @@ import threading
 
 from transformers import modeling_utils as _mu
 
+from ..patching.scopes import active_scopes
 from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
 from .loading import convert_and_load
+from .quantized import quantizer_label, warn_fused_experts_left
 from .registry import set_hooks_installed
 from .saving import revert_to_original_layout
 from .state import get_state
@@ -54,6 +58,9 @@ def _load(model, state_dict, load_config, disk_offload_index=None):
     else:
         result = convert_and_load(model, state_dict, load_config, disk_offload_index, resolved, original)
     check_replacements_loaded(model, result[0])
+    quantizer = load_config.hf_quantizer
+    if quantizer is not None and not quantizer.pre_quantized and (resolved is not None or active_scopes()):
+        warn_fused_experts_left(model, quantizer_label(quantizer))  # a recipe was meant to make them quantizable
     return result
 
 

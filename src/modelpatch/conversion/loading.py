@@ -13,6 +13,7 @@ from transformers.utils import logging
 from .compose import ResolvedRules, compose_builtins, has_target_layout, rules_fitting_model
 from .errors import ConversionError, ConversionShapeError
 from .plan import Plan, build_plan, shape_of
+from .quantized import fix_prequantized_metadata, prepare_prequantized_items, prequantized_companion
 from .reference import state_shapes
 from .state import ConversionState, set_state
 
@@ -65,11 +66,15 @@ def _leave_absent_modules_unconverted(plan: Plan, dry: dict, model_shapes: dict,
             plan.unconvert(group, dry)
 
 
-def prepare(model, items, resolved: ResolvedRules, key_renamings=(), keep_unconverted_keys: bool = False):
+def prepare(
+    model, items, resolved: ResolvedRules, key_renamings=(), keep_unconverted_keys: bool = False, quantizer=None
+):
     """Plan the conversion of ``items`` (``(key, tensor_like)``) for ``model`` and validate it on meta tensors.
 
-    ``key_renamings`` and ``keep_unconverted_keys`` are passed to :func:`~.engine.build_plan`. Returns
-    ``(plan, dry, state)`` where ``dry`` maps each converted key to ``(shape, dtype, group)``.
+    ``key_renamings`` and ``keep_unconverted_keys`` are passed to :func:`~.engine.build_plan`. ``quantizer``: the
+    ``hf_quantizer`` of a pre-quantized load, whose saved components (``<m>._weight_qdata``, ``<m>.SCB``) are
+    converted like the weight they belong to (:mod:`.quantized`). Returns ``(plan, dry, state)`` where ``dry`` maps
+    each converted key to ``(shape, dtype, group)``.
 
     Raises:
         ConversionShapeError: a converted tensor does not fit its parameter (key and both shapes named).
@@ -79,12 +84,32 @@ def prepare(model, items, resolved: ResolvedRules, key_renamings=(), keep_unconv
     model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     prefix = model.base_model_prefix
     items = list(items)
+    if quantizer is not None:
+        items = prepare_prequantized_items(items, resolved.rules, quantizer)
     plan = build_plan(items, resolved.rules, key_renamings=key_renamings, keep_unconverted_keys=keep_unconverted_keys)
     _check_unmatched(plan, resolved, [key for key, _ in items])
     references = state_shapes(model_shapes.items(), prefix)
     dry = plan.dry_run(references)
-    _leave_absent_modules_unconverted(plan, dry, model_shapes, prefix)
+    companions = {}
+    if quantizer is not None:  # components of a saved quantized weight: checked against the weight's rows
+        for name in dry:
+            if model_key(name, model_shapes, prefix) is None:
+                param = prequantized_companion(name, quantizer, model_shapes)
+                param = param or prequantized_companion(
+                    name, quantizer, {k.removeprefix(f"{prefix}.") for k in model_shapes}
+                )
+                if param is not None:
+                    companions[name] = model_key(param, model_shapes, prefix)
+    _leave_absent_modules_unconverted(plan, dry, {**model_shapes, **dict.fromkeys(companions)}, prefix)
     for name, (shape, _, group) in dry.items():
+        if name in companions:
+            rows = model_shapes[companions[name]][0]
+            if not shape or shape[0] != rows:
+                raise ConversionError(
+                    f"{group.rule!r} produced '{name}' of shape {tuple(shape)}, a saved component of "
+                    f"'{companions[name]}', which has {rows} rows. Nothing was loaded."
+                )
+            continue
         key = model_key(name, model_shapes, prefix)
         if key is None:
             raise ConversionError(
@@ -111,11 +136,20 @@ def transformers_renamings(weight_mapping) -> list:
 def convert_and_load(model, state_dict, load_config, disk_offload_index, resolved: ResolvedRules, original):
     """``convert_and_load_state_dict_in_model`` with user rules (see :mod:`.hooks`): ``state_dict`` holds the lazily
     opened checkpoint (safetensors slices or tensors); converted keys are replaced by :class:`LazyConverted`
-    placeholders and ``original`` does the loading, with the built-in rules the user rules do not replace."""
-    if load_config.hf_quantizer is not None:
-        raise ConversionError("modelpatch conversion rules cannot be combined with quantization yet")
+    placeholders and ``original`` does the loading, with the built-in rules the user rules do not replace.
+
+    With a quantizer, converted tensors go through it exactly like unconverted ones: on-the-fly quantization runs
+    on the converted tensor (Transformers' ``needs_quantization`` on the converted key); a pre-quantized checkpoint's
+    components are converted per component (row concatenation only, see :mod:`.quantized`) and then deserialized
+    by the quantizer under the converted name."""
     builtins = compose_builtins(model, list(load_config.weight_mapping or []), resolved)
-    plan, dry, state = prepare(model, state_dict.items(), resolved, transformers_renamings(builtins), True)
+    quantizer = load_config.hf_quantizer
+    quantizer = quantizer if quantizer is not None and quantizer.pre_quantized else None
+    plan, dry, state = prepare(
+        model, state_dict.items(), resolved, transformers_renamings(builtins), True, quantizer=quantizer
+    )
+    if quantizer is not None:
+        fix_prequantized_metadata(quantizer, dry, plan.renamed)
     converted = dict(plan.passthrough)
     converted.update(plan.lazy_outputs(dry, release_mapped_sources=True))  # the loader's own file handles
     result = original(model, converted, dataclasses.replace(load_config, weight_mapping=builtins), disk_offload_index)

@@ -201,7 +201,8 @@ class _GroupRunner:
 class LazyConverted:
     """Placeholder for a converted tensor; ``obj[...]`` converts its group (once) and returns the tensor.
 
-    Exposes ``shape``/``dtype`` (from the meta dry run) and ``get_shape()`` like a safetensors slice.
+    Exposes ``shape``/``dtype`` (from the meta dry run), ``get_shape()`` like a safetensors slice and
+    ``is_floating_point()`` like a tensor.
     """
 
     __slots__ = ("_runner", "name", "shape", "dtype")
@@ -211,6 +212,10 @@ class LazyConverted:
 
     def get_shape(self):
         return list(self.shape)
+
+    def is_floating_point(self) -> bool:
+        """Like ``Tensor.is_floating_point`` (a pre-quantized load asks it of every checkpoint tensor)."""
+        return self.dtype.is_floating_point
 
     def __getitem__(self, item):
         tensor = self._runner.take(self.name)

@@ -4,9 +4,18 @@
 :func:`iter_original_state_dict` (weight sync to an inference engine) take the same path: :func:`original_layout`
 picks the rules of both stages for the model and :func:`.streaming.iter_reverted` converts group by group;
 ``save_pretrained`` collects every group in one dict, :func:`iter_original_state_dict` hands them out one by one.
+
+A quantized model that carries conversion state takes :func:`quantized_original_layout` instead (the quantizer's
+saved components split by rows where that is exact, else :class:`~.quantized.QuantizedSaveError`), computed by the
+``save_pretrained`` wrapper of :mod:`modelpatch.integrations.transformers` before anything is written.
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -17,16 +26,27 @@ from transformers.utils import logging
 from ..errors import ModelpatchTypeError
 from .compose import compose_builtins, resolve_model_rules, rules_fitting_model
 from .errors import ConversionError
+from .plan import build_plan
+from .quantized import QuantizedSaveError, check_reverse_groups, quantized_params, quantizer_label
+from .reference import ReferenceShapes
 from .state import ConversionState, get_state
-from .streaming import OriginalLayoutIterator, iter_reverted, transformers_conversions
+from .streaming import OriginalLayoutIterator, iter_reverted, reversed_user_rules, transformers_conversions
 from .wrappers import unwrapped_names, unwrapped_state_dict, wrapper_bases
 
 logger = logging.get_logger("modelpatch.conversion")
 
-__all__ = ["revert_to_original_layout", "original_layout", "iter_original_state_dict", "bind_conversion_rules"]
+__all__ = [
+    "revert_to_original_layout",
+    "original_layout",
+    "iter_original_state_dict",
+    "bind_conversion_rules",
+    "needs_quantized_original_layout",
+    "quantized_original_layout",
+    "serving_quantized_state_dict",
+]
 
 
-def original_layout(model, state_dict: dict) -> OriginalLayoutIterator:
+def original_layout(model, state_dict: dict, *, state: ConversionState | None = None) -> OriginalLayoutIterator:
     """``(name, tensor)`` of ``state_dict`` (keys of ``model``'s layout, tied duplicates already removed) in the
     original layout, one conversion group at a time: what ``revert_weight_conversion`` returns for ``save_pretrained``.
 
@@ -37,10 +57,13 @@ def original_layout(model, state_dict: dict) -> OriginalLayoutIterator:
     (PEFT's LoRA layers, see :mod:`.wrappers`) is reversed without them: the base weights under their own names,
     adapter weights left out (a warning says how many), so the result is the original base layout.
 
+    ``state``: the conversion state to reverse instead of the model's own (:func:`quantized_original_layout` passes
+    one whose recorded shapes also size the quantized components).
+
     Raises:
         ConversionError: see :func:`.streaming.iter_reverted` (on names: before anything is converted).
     """
-    state = get_state(model)
+    state = get_state(model) if state is None else state
     conversions = None
     bases: dict[str, str] = {}
     if state is None:
@@ -129,6 +152,11 @@ def iter_original_state_dict(model, state_dict: dict | None = None) -> OriginalL
             f"{type(model).__name__} has PEFT adapters loaded through Transformers (model.load_adapter), for which "
             "save_pretrained writes the adapter only; merge them first, or push the adapter itself"
         )
+    if state_dict is None and needs_quantized_original_layout(model):
+        converted = quantized_original_layout(model)[0]
+        result = OriginalLayoutIterator(0)
+        result._items = iter(list(converted.items()))
+        return result
     if state_dict is None:
         quantizer = getattr(model, "hf_quantizer", None)
         state_dict = quantizer.get_state_dict_and_metadata(model)[0] if quantizer is not None else None
@@ -160,3 +188,150 @@ def bind_conversion_rules(model) -> bool:
         return False
     set_state(model, ConversionState(resolved.rules, resolved.owner))
     return True
+
+
+# --- quantized models ------------------------------------------------------------------------------------------
+
+
+def needs_quantized_original_layout(model) -> bool:
+    """Whether saving ``model`` in its original layout goes through :func:`quantized_original_layout`: a quantized
+    model (``hf_quantizer``, serializable) that carries modelpatch conversion state, without PEFT adapters loaded."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or get_state(model) is None or getattr(model, "_hf_peft_config_loaded", False):
+        return False
+    try:
+        return bool(quantizer.is_serializable())
+    except TypeError:  # older signatures took arguments; let Transformers decide
+        return False
+
+
+def _metadata_for(output: str, source: str, params_by_key: dict, metadata: dict) -> tuple[str, str]:
+    param = params_by_key.get(source)
+    if param is None:
+        entry = metadata.get(source, json.dumps({"_type": "Tensor"}))
+        return output, entry
+    suffix = param.suffix(source)
+    if not output.endswith(suffix):
+        raise ConversionError(
+            f"'{output}' (from the quantized component '{source}') does not end in '{suffix}': its torchao metadata "
+            "cannot be carried over"
+        )
+    return output[: -len(suffix)] + "." + param.name.rsplit(".", 1)[1], param.metadata or ""
+
+
+def quantized_original_layout(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(state_dict, metadata)`` of a quantized ``model`` in its original checkpoint layout: what
+    ``save_pretrained`` writes for it (the modelpatch wrapper of ``save_pretrained`` computes it first, so that a
+    refusal leaves the target folder untouched).
+
+    The state dict is the quantizer's (``hf_quantizer.get_state_dict_and_metadata``, else ``model.state_dict()``),
+    the saved components of each quantized weight under its module's prefix (torchao ``_weight_qdata``/
+    ``_weight_scale``/``_weight_zero_point``, bitsandbytes 8-bit ``weight``/``SCB``/``weight_format``). It goes
+    through :func:`original_layout` like a full-precision state dict; a rule that splits a quantized weight's rows
+    (the fused ``qkv_proj``) splits each row component with the weight's recorded row counts (exact: one scale per
+    output row), and copies bitsandbytes' ``weight_format`` to every piece. torchao's metadata (one entry per
+    weight) follows the weights to their original names.
+
+    Raises:
+        QuantizedSaveError: a conversion rule takes a quantized weight that cannot be converted exactly (a
+            bitsandbytes 4-bit weight, a torchao format other than int8 per row, a rule that stacks or merges
+            rather than splits rows); names the parameter, the quantizer and ``save_original_format=False``.
+        ConversionError: as :func:`original_layout`.
+    """
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    quantizer = model.hf_quantizer
+    state = get_state(model)
+    if state is None:
+        raise ConversionError(f"{type(model).__name__} carries no modelpatch conversion state")
+    state_dict, metadata = quantizer.get_state_dict_and_metadata(model)
+    metadata = dict(metadata or {})
+    state_dict = dict(model.state_dict() if state_dict is None else state_dict)
+    for key in model._keys_to_ignore_on_save or ():
+        state_dict.pop(key, None)
+    state_dict = remove_tied_weights_from_state_dict(state_dict, model)
+    params = quantized_params(model, state_dict, metadata)
+    label = quantizer_label(quantizer)
+    params_by_key = {key: p for p in params.values() for key in p.rows + p.copied}
+    copied_keys = {key for p in params.values() for key in p.copied}
+
+    # row counts of every component from the recorded shape of its weight (a split sizes each piece by them)
+    recorded = dict(state.recorded_shapes)
+    tails = {p.suffix(k): tuple(state_dict[k].shape[1:]) for p in params.values() if p.row_exact for k in p.rows}
+    for key, shape in state.recorded_shapes.items():
+        if key.endswith(".weight") and len(shape) == 2:
+            module = key[: -len(".weight")]
+            for suffix, tail in tails.items():
+                recorded.setdefault(module + suffix, (shape[0], *tail))
+    references = ReferenceShapes(recorded, model)
+
+    # plan over names (meta tensors) to refuse before converting anything, and to map outputs to their sources
+    rules, _ = reversed_user_rules(state)
+    metas = {
+        k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+        for k, v in state_dict.items()
+        if k not in copied_keys and isinstance(v, torch.Tensor)
+    }
+    plan = build_plan(metas.items(), rules, reverse=True)
+    names = {k for k in model.state_dict() if k not in metas} | set(metas)
+    named = [(k, torch.empty(0, device="meta")) for k in sorted(names)]
+    check_reverse_groups(plan, build_plan(named, rules, reverse=True, incomplete=[]), params, label)
+    dry = plan.dry_run(references)
+    source_of = {id(obj): key for key, obj in metas.items()}
+    origin = {name: source_of.get(id(obj), name) for name, obj in plan.passthrough.items()}
+    origin.update({name: group.source_keys()[0] for name, (_, _, group) in dry.items()})
+
+    touched = {params_by_key[k].name for g in plan.groups.values() for k in g.source_keys() if k in params_by_key}
+    set_aside = {k: state_dict.pop(k) for name in touched for k in params[name].copied}
+    augmented = dataclasses.replace(state, recorded_shapes=recorded, save_rows=[])
+    result = dict(original_layout(model, state_dict, state=augmented))
+    state.save_rows = augmented.save_rows
+
+    for name, (_, _, group) in dry.items():  # bitsandbytes' weight_format, copied to every piece of a split
+        param = params_by_key.get(group.source_keys()[0])
+        if param is None or not param.copied or name not in result:
+            continue
+        prefix = name[: -len(param.suffix(group.source_keys()[0]))]
+        for key in param.copied:
+            result[prefix + param.suffix(key)] = set_aside[key].clone()
+
+    if "tensor_names" in metadata:  # torchao: one metadata entry per weight, under its saved name
+        new_metadata: dict[str, str] = {}
+        for output in result:
+            source = origin.get(output)
+            if source is None:
+                if output in state_dict or output not in params_by_key:
+                    source = output
+                else:
+                    raise ConversionError(
+                        f"'{output}' has no known source: its torchao metadata cannot be carried over"
+                    )
+            name, entry = _metadata_for(output, source, params_by_key, metadata)
+            new_metadata[name] = entry
+        new_metadata["tensor_names"] = json.dumps(list(new_metadata))
+        metadata = new_metadata
+    return result, metadata
+
+
+@contextlib.contextmanager
+def serving_quantized_state_dict(model, state_dict: dict, metadata: dict) -> Iterator[None]:
+    """While open, ``model.hf_quantizer.get_state_dict_and_metadata(model)`` returns ``(state_dict, metadata)`` (an
+    attribute of that quantizer instance only, removed on exit): how ``save_pretrained`` writes what
+    :func:`quantized_original_layout` computed. Raises :class:`QuantizedSaveError` if the model has no quantizer."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        raise QuantizedSaveError("<model>", "none", f"{type(model).__name__} is not quantized")
+    had = "get_state_dict_and_metadata" in vars(quantizer)
+    previous = vars(quantizer).get("get_state_dict_and_metadata")
+
+    def serve(_model):
+        return state_dict, dict(metadata)
+
+    quantizer.get_state_dict_and_metadata = serve
+    try:
+        yield
+    finally:
+        if had:
+            quantizer.get_state_dict_and_metadata = previous
+        else:
+            del quantizer.get_state_dict_and_metadata

@@ -11,12 +11,17 @@ open:
   modules imported since the last look, so a module first imported inside a block is patched too, and
   remembers which scopes built the model, for :func:`~modelpatch.patch_report`;
 * ``PreTrainedModel.post_init`` fixes the output recorders of models built inside a block and binds the conversion
-  rules in effect that fit them (so they save their original layout after the block).
+  rules in effect that fit them (so they save their original layout after the block);
+* ``PreTrainedModel.save_pretrained`` of a quantized model that carries conversion state (and only of such a
+  model) computes the original layout first (:func:`~modelpatch.conversion.saving.quantized_original_layout`),
+  so that a layout that cannot be written exactly is refused before anything is written, then lets Transformers
+  write it as is.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from contextvars import ContextVar
 
@@ -24,7 +29,12 @@ import torch.nn as nn
 from transformers.modeling_utils import PreTrainedModel
 
 from ..conversion import hooks as conversion_hooks
-from ..conversion.saving import bind_conversion_rules
+from ..conversion.saving import (
+    bind_conversion_rules,
+    needs_quantized_original_layout,
+    quantized_original_layout,
+    serving_quantized_state_dict,
+)
 from ..conversion.unloaded import restore_pending_initial_values
 from ..outputs import install_registry_extension, patch_output_recorders
 from ..patching.provenance import BuildRecord, build_record, set_build_record
@@ -106,6 +116,25 @@ def _post_init_wrapper(original):
     return post_init
 
 
+def _save_wrapper(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_pretrained(self, *args, **kwargs):
+        if not needs_quantized_original_layout(self):
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        if not arguments.get("save_original_format", True) or arguments.get("state_dict") is not None:
+            return original(self, *args, **kwargs)
+        state_dict, metadata = quantized_original_layout(self)  # refuses before anything is written
+        arguments["save_original_format"] = False  # already in the original layout
+        with serving_quantized_state_dict(self, state_dict, metadata):
+            return original(*bound.args, **bound.kwargs)
+
+    return save_pretrained
+
+
 _installed = UndoStack()
 _install_lock = threading.Lock()
 
@@ -125,6 +154,9 @@ def install() -> None:
         _installed.setattr(PreTrainedModel, "__init__", _init_wrapper(vars(PreTrainedModel)["__init__"]), raw=True)
         _installed.setattr(
             PreTrainedModel, "post_init", _post_init_wrapper(vars(PreTrainedModel)["post_init"]), raw=True
+        )
+        _installed.setattr(
+            PreTrainedModel, "save_pretrained", _save_wrapper(vars(PreTrainedModel)["save_pretrained"]), raw=True
         )
 
 
