@@ -18,7 +18,12 @@ RUN_HERE = [p for p in EXAMPLES if p.name != "compile_fused_qkv.py"]
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= {"lora_finetune_moe.py", "compile_fused_qkv.py", "grpo_routing_replay.py"}
+    assert {p.name for p in EXAMPLES} >= {
+        "lora_finetune_moe.py",
+        "compile_fused_qkv.py",
+        "grpo_routing_replay.py",
+        "quantize_moe.py",
+    }
 
 
 @pytest.mark.slow
