@@ -45,11 +45,12 @@ def placement(rule, patterns: int, modules: int) -> Placement | None:
     modelpatch's subclasses; a subclass that overrides ``convert`` is not a placement)."""
     if not isinstance(rule, _tcml.WeightConverter) or len(rule.target_patterns) != 1:
         return None
-    kinds = [type(op).convert for op in rule.operations]
+    operations: list = list(rule.operations)
+    kinds = [type(op).convert for op in operations]
     if kinds == [_CONCATENATE] and modules == 1:
-        return Placement(rule.operations[0].dim, None)
+        return Placement(operations[0].dim, None)
     if kinds == [_MERGE, _CONCATENATE] and patterns > 1:
-        return Placement(rule.operations[1].dim, rule.operations[0].dim)
+        return Placement(operations[1].dim, operations[0].dim)
     return None
 
 
