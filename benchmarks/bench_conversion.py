@@ -160,9 +160,17 @@ def _report_warm(times: dict, rounds: int) -> None:
         print(
             f"warm, one process, {what}, median of {rounds}: vanilla {med['vanilla'] * 1e3:.1f} ms, "
             f"patched {med['patched'] * 1e3:.1f} ms -> ratio {med['patched'] / med['vanilla']:.3f}x "
-            f"(per-round ratios: quartiles {q1:.3f}-{q3:.3f}, range {min(per_round):.3f}-{max(per_round):.3f}; "
-            f"target <= {target:.2f}x)"
+            f"(per-round ratios: quartiles {q1:.3f}-{q3:.3f}, range {min(per_round):.3f}-{max(per_round):.3f}"
+            + (f"; target <= {target:.2f}x)" if target else ")")
         )
+    floor = [f[0] / v[0] for v, f in zip(times["vanilla"], times["floor"])]
+    print(
+        f"floor of the load: vanilla + writing the fused q/k/v into new memory (torch.cat of the loaded weights), "
+        f"{statistics.median(t[0] for t in times['floor']) * 1e3:.1f} ms -> ratio "
+        f"{statistics.median(t[0] for t in times['floor']) / statistics.median(t[0] for t in times['vanilla']):.3f}x "
+        f"(per-round quartiles {_quartiles(floor)[0]:.3f}-{_quartiles(floor)[2]:.3f}): what any load that "
+        "materialises qkv_proj pays on this machine"
+    )
 
 
 def main() -> None:

@@ -140,3 +140,38 @@ def test_a_source_that_does_not_fit_its_block_is_refused_naming_both_shapes():
         fill(Placement(0, None), [[torch.ones(2, 5)], [torch.ones(3, 5)]], (4, 5), torch.float32, lambda t: t)
     with pytest.raises(ConversionError, match="fill 4 of the 5 places along dim 0"):
         fill(Placement(0, None), [[torch.ones(2, 5)], [torch.ones(2, 5)]], (5, 5), torch.float32, lambda t: t)
+
+
+STACKED = {f"e.{i}.{part}": (3, 5) for i in range(4) for part in ("g", "u")}
+
+
+@pytest.mark.parametrize(
+    "shapes, operations",
+    [
+        ({"a.q": (8, 4), "a.k": (4, 4), "a.v": (4, 4)}, [Concatenate(0)]),
+        ({"a.q": (8, 4), "a.k": (8, 2), "a.v": (8, 6)}, [Concatenate(-1)]),
+        ({"a.q": (8,), "a.k": (4,), "a.v": (4,)}, [Concatenate(0)]),
+        (STACKED, [MergeModulelist(1), Concatenate(2)]),
+        (STACKED, [MergeModulelist(-1), Concatenate(0)]),
+    ],
+)
+def test_dry_run_shapes_of_placements_are_those_of_the_operations_on_meta(shapes, operations):
+    sources = ["e.*.g", "e.*.u"] if shapes is STACKED else ["q", "k", "v"]
+    rule = WeightConverter(sources, "fused", operations)
+    state = {key: torch.zeros(shape) for key, shape in shapes.items()}
+    plan = build_plan(state.items(), [rule])
+    (group,) = plan.groups.values()
+    fast = engine._placed_output(group)
+    collected = {p: [torch.empty(t.shape, device="meta") for _, t in items] for p, items in group.sources.items()}
+    on_meta = engine._run_group(group, collected, None, with_names=False)
+    assert fast == [(k, tuple(t.shape), t.dtype) for k, t in on_meta.items()]
+
+
+def test_placements_that_do_not_fit_are_left_to_the_operations_error():
+    state = {"a.q_proj": torch.zeros(8, 4), "a.k_proj": torch.zeros(4, 5), "a.v_proj": torch.zeros(4, 4)}
+    plan = build_plan(state.items(), [QKV_RULE])
+    assert [engine._placed_output(g) for g in plan.groups.values()] == [None]
+    with pytest.raises(
+        ConversionError, match=r"Concatenate\(dim=0\) of .* failed on 'a.qkv_proj'.*Expected 4 in dimension 1"
+    ):
+        plan.dry_run()

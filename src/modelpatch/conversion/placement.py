@@ -22,7 +22,7 @@ from transformers import core_model_loading as _tcml
 
 from .errors import ConversionError
 
-__all__ = ["Placement", "placement", "fill"]
+__all__ = ["Placement", "placement", "placed_shape", "fill"]
 
 _CONCATENATE = _tcml.Concatenate.convert
 _MERGE = _tcml.MergeModulelist.convert
@@ -52,6 +52,30 @@ def placement(rule, patterns: int, modules: int) -> Placement | None:
     if kinds == [_MERGE, _CONCATENATE] and patterns > 1:
         return Placement(operations[1].dim, operations[0].dim)
     return None
+
+
+def placed_shape(where: Placement, shapes: list[list[tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The output shape of a placement for sources of ``shapes`` (per source pattern, one per module), computed
+    without running the operations; ``None`` where the shapes do not fit together (the operations, run on meta
+    tensors, then raise their own error)."""
+    blocks = []
+    for module_shapes in shapes:
+        first = module_shapes[0]
+        if any(shape != first for shape in module_shapes) or not first:
+            return None
+        block = list(first)
+        if where.stack_dim is not None:
+            if not -len(block) - 1 <= where.stack_dim <= len(block):
+                return None
+            block.insert(where.stack_dim % (len(block) + 1), len(module_shapes))
+        blocks.append(block)
+    ndim = len(blocks[0])
+    if not -ndim <= where.dim < ndim or any(len(block) != ndim for block in blocks):
+        return None
+    dim = where.dim % ndim
+    if any(block[:dim] + block[dim + 1 :] != blocks[0][:dim] + blocks[0][dim + 1 :] for block in blocks):
+        return None
+    return tuple(blocks[0][:dim] + [sum(block[dim] for block in blocks)] + blocks[0][dim + 1 :])
 
 
 def fill(where: Placement, sources: list[list], shape, dtype: torch.dtype, read) -> tuple[torch.Tensor, list]:

@@ -23,7 +23,7 @@ from transformers import core_model_loading as _tcml
 
 from .errors import ConversionError
 from .pages import release_pages
-from .placement import fill, placement
+from .placement import fill, placed_shape, placement
 from .rules import match_rule
 
 __all__ = ["ConversionRow", "Plan", "build_plan", "LazyConverted", "shape_of", "load_tensor"]
@@ -212,6 +212,20 @@ class _GroupRunner:
             return self._outputs.pop(name)
 
 
+def _placed_output(group: _Group) -> list | None:
+    """The dry run's ``[(raw key, shape, dtype)]`` of a group whose rule only places its sources of one dtype, computed
+    from their shapes (no meta operations); ``None`` for any other group (and where the shapes do not fit)."""
+    lengths = {len(items) for items in group.sources.values()}
+    if len(lengths) != 1 or list(group.sources) != [p for p in group.rule.source_patterns if p in group.sources]:
+        return None
+    where = placement(group.rule, len(group.sources), lengths.pop())
+    dtypes = {_dtype_of(o) for items in group.sources.values() for _, o in items}
+    if where is None or len(dtypes) != 1:
+        return None
+    shape = placed_shape(where, [[shape_of(o) for _, o in items] for items in group.sources.values()])
+    return None if shape is None else [(group.rule.target_patterns[0], shape, dtypes.pop())]
+
+
 def _fused_output(group: _Group, outputs: list, cast: dict) -> tuple | None:
     """``fused`` for :class:`_GroupRunner`: ``outputs`` are the group's ``(name, shape, dtype)`` from the dry run;
     ``cast`` the dtype the consumer casts each output to. ``None`` unless the rule only places its sources
@@ -282,16 +296,20 @@ class Plan:
             ConversionError: an operation cannot be applied, or two groups produce the same key.
         """
         self.references = reference_shapes  # reused by lazy_outputs: real tensors are split like the dry run
-        out, cache = {}, {}
+        out: dict = {}
+        cache: dict[tuple, list] = {}
         for group in self.groups.values():
             signature = _dry_signature(group, reference_shapes)
             if signature not in cache:  # layers of one model usually share shapes: run the meta ops once per shape
-                collected = {
-                    p: [torch.empty(shape_of(o), dtype=_dtype_of(o), device="meta") for _, o in items]
-                    for p, items in group.sources.items()
-                }
-                raw = _run_group(group, collected, reference_shapes, with_names=False)
-                cache[signature] = [(k, tuple(t.shape), t.dtype) for k, t in raw.items()]
+                placed = _placed_output(group)  # placing only: the shape without the meta ops
+                if placed is None:
+                    collected = {
+                        p: [torch.empty(shape_of(o), dtype=_dtype_of(o), device="meta") for _, o in items]
+                        for p, items in group.sources.items()
+                    }
+                    raw = _run_group(group, collected, reference_shapes, with_names=False)
+                    placed = [(k, tuple(t.shape), t.dtype) for k, t in raw.items()]
+                cache[signature] = placed
             for raw_key, shape, dtype in cache[signature]:
                 name = self._finish_name(group.prefix + raw_key + group.suffix)
                 if name in out or name in self.passthrough:
