@@ -11,6 +11,7 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``registry``  global and scoped rule registry (:func:`apply_conversion_rules`)
 ``compose``   per-model resolution, composition with Transformers' built-in rules
 ``pages``     giving the pages of converted memory-mapped sources back to the kernel
+``placement`` rules that only place their sources (``Concatenate``): read straight into one output allocated once
 ``plan``      grouping keys by rule, meta dry run, lazy conversion (:class:`ConversionRow`)
 ``reference`` shapes used to split fused tensors back exactly
 ``state``     per-model conversion state, kept on the model instance

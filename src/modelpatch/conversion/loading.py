@@ -67,21 +67,29 @@ def _leave_absent_modules_unconverted(plan: Plan, dry: dict, model_shapes: dict,
 
 
 def prepare(
-    model, items, resolved: ResolvedRules, key_renamings=(), keep_unconverted_keys: bool = False, quantizer=None
+    model,
+    items,
+    resolved: ResolvedRules,
+    key_renamings=(),
+    keep_unconverted_keys: bool = False,
+    quantizer=None,
+    model_state=None,
 ):
     """Plan the conversion of ``items`` (``(key, tensor_like)``) for ``model`` and validate it on meta tensors.
 
     ``key_renamings`` and ``keep_unconverted_keys`` are passed to :func:`~.engine.build_plan`. ``quantizer``: the
     ``hf_quantizer`` of a pre-quantized load, whose saved components (``<m>._weight_qdata``, ``<m>.SCB``) are
-    converted like the weight they belong to (:mod:`.quantized`). Returns ``(plan, dry, state)`` where ``dry`` maps
-    each converted key to ``(shape, dtype, group)``.
+    converted like the weight they belong to (:mod:`.quantized`). ``model_state`` is ``model.state_dict()`` when
+    the caller has it. Returns ``(plan, dry, state)`` where ``dry`` maps each converted key to
+    ``(shape, dtype, group)``.
 
     Raises:
         ConversionShapeError: a converted tensor does not fit its parameter (key and both shapes named).
         ConversionError: a rule's converted keys name no parameter of the model, a strict rule matched nothing, or
             an operation cannot be applied. Nothing has been loaded when these are raised.
     """
-    model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    model_state = model.state_dict() if model_state is None else model_state
+    model_shapes = {k: tuple(v.shape) for k, v in model_state.items()}
     prefix = model.base_model_prefix
     items = list(items)
     if quantizer is not None:
@@ -133,6 +141,22 @@ def transformers_renamings(weight_mapping) -> list:
     return [t for t in weight_mapping or [] if isinstance(t, _tcml.WeightRenaming)]
 
 
+def load_dtypes(dry: dict, model_state: dict, prefix: str, load_config) -> dict:
+    """``{converted key: dtype}``: the dtype ``convert_and_load_state_dict_in_model`` casts each converted tensor to,
+    where that is its parameter's dtype (no quantizer: a quantizer receives the tensor as Transformers casts it for
+    any tensor; no entry of the model's ``dtype_plan``, e.g. ``_keep_in_fp32_modules``, matching it)."""
+    if load_config.hf_quantizer is not None:
+        return {}
+    dtype_plan = load_config.dtype_plan or {}
+    special = _tcml.build_glob_alternation(list(dtype_plan))[0] if dtype_plan else None
+    dtypes = {}
+    for name in dry:
+        key = model_key(name, model_state, prefix)
+        if key is not None and (special is None or special.search(key) is None):
+            dtypes[name] = model_state[key].dtype
+    return dtypes
+
+
 def convert_and_load(model, state_dict, load_config, disk_offload_index, resolved: ResolvedRules, original):
     """``convert_and_load_state_dict_in_model`` with user rules (see :mod:`.hooks`): ``state_dict`` holds the lazily
     opened checkpoint (safetensors slices or tensors); converted keys are replaced by :class:`LazyConverted`
@@ -145,13 +169,22 @@ def convert_and_load(model, state_dict, load_config, disk_offload_index, resolve
     builtins = compose_builtins(model, list(load_config.weight_mapping or []), resolved)
     quantizer = load_config.hf_quantizer
     quantizer = quantizer if quantizer is not None and quantizer.pre_quantized else None
+    model_state = model.state_dict()
     plan, dry, state = prepare(
-        model, state_dict.items(), resolved, transformers_renamings(builtins), True, quantizer=quantizer
+        model,
+        state_dict.items(),
+        resolved,
+        transformers_renamings(builtins),
+        True,
+        quantizer=quantizer,
+        model_state=model_state,
     )
     if quantizer is not None:
         fix_prequantized_metadata(quantizer, dry, plan.renamed)
     converted = dict(plan.passthrough)
-    converted.update(plan.lazy_outputs(dry, release_mapped_sources=True))  # the loader's own file handles
+    # the loader's own file handles; fused outputs are read straight into their parameter's dtype
+    cast = load_dtypes(dry, model_state, model.base_model_prefix, load_config)
+    converted.update(plan.lazy_outputs(dry, release_mapped_sources=True, cast=cast))
     result = original(model, converted, dataclasses.replace(load_config, weight_mapping=builtins), disk_offload_index)
     set_state(model, state)
     return result

@@ -23,6 +23,7 @@ from transformers import core_model_loading as _tcml
 
 from .errors import ConversionError
 from .pages import release_pages
+from .placement import fill, placed_shape, placement
 from .rules import match_rule
 
 __all__ = ["ConversionRow", "Plan", "build_plan", "LazyConverted", "shape_of", "load_tensor"]
@@ -178,24 +179,70 @@ def _storage_ptr(tensor) -> int | None:
 
 
 class _GroupRunner:
-    """Converts one group on first request and hands out its outputs one by one (thread-safe)."""
+    """Converts one group on first request and hands out its outputs one by one (thread-safe).
 
-    def __init__(self, group: _Group, reference_shapes, release_mapped_sources: bool):
-        self._group, self._refs, self._release = group, reference_shapes, release_mapped_sources
+    ``fused``: ``(placement, name, shape, dtype)`` for a group whose rule only places its sources into its one output
+    (:mod:`.placement`): the output is allocated once, in ``dtype``, and each source copied into its block as it is
+    read, instead of materialising and concatenating them.
+    """
+
+    def __init__(self, group: _Group, reference_shapes, release_mapped_sources: bool, fused: tuple | None = None):
+        self._group, self._refs, self._release, self._fused = group, reference_shapes, release_mapped_sources, fused
         self._lock = threading.Lock()
         self._outputs: dict | None = None
 
     def take(self, name: str) -> torch.Tensor:
         with self._lock:
             if self._outputs is None:
-                collected = {p: [load_tensor(o) for _, o in items] for p, items in self._group.sources.items()}
-                items = [item for items in self._group.sources.values() for item in items]
-                tensors = [tensor for tensors in collected.values() for tensor in tensors]  # ops may empty collected
+                group = self._group
+                if self._fused is not None:
+                    where, out_name, shape, dtype = self._fused
+                    ordered = [group.sources[p] for p in group.rule.source_patterns if p in group.sources]
+                    items = [item for items in ordered for item in items]
+                    out, tensors = fill(where, [[o for _, o in its] for its in ordered], shape, dtype, load_tensor)
+                    self._outputs = {out_name: out}
+                else:
+                    collected = {p: [load_tensor(o) for _, o in items] for p, items in group.sources.items()}
+                    items = [item for items in group.sources.values() for item in items]
+                    tensors = [tensor for tensors in collected.values() for tensor in tensors]  # ops may empty it
+                    self._outputs = _run_group(group, collected, self._refs)
                 mapped = [t for (_, obj), t in zip(items, tensors) if self._release and is_safetensors_slice(obj)]
-                self._outputs = _run_group(self._group, collected, self._refs)
                 release_pages(mapped, self._outputs.values())  # read once: only the converted copy stays resident
-                self._group.sources = {}  # release the source tensors
+                group.sources = {}  # release the source tensors
             return self._outputs.pop(name)
+
+
+def _placed_output(group: _Group) -> list | None:
+    """The dry run's ``[(raw key, shape, dtype)]`` of a group whose rule only places its sources of one dtype, computed
+    from their shapes (no meta operations); ``None`` for any other group (and where the shapes do not fit)."""
+    lengths = {len(items) for items in group.sources.values()}
+    if len(lengths) != 1 or list(group.sources) != [p for p in group.rule.source_patterns if p in group.sources]:
+        return None
+    where = placement(group.rule, len(group.sources), lengths.pop())
+    dtypes = {_dtype_of(o) for items in group.sources.values() for _, o in items}
+    if where is None or len(dtypes) != 1:
+        return None
+    shape = placed_shape(where, [[shape_of(o) for _, o in items] for items in group.sources.values()])
+    return None if shape is None else [(group.rule.target_patterns[0], shape, dtypes.pop())]
+
+
+def _fused_output(group: _Group, outputs: list, cast: dict) -> tuple | None:
+    """``fused`` for :class:`_GroupRunner`: ``outputs`` are the group's ``(name, shape, dtype)`` from the dry run;
+    ``cast`` the dtype the consumer casts each output to. ``None`` unless the rule only places its sources
+    (:func:`~.placement.placement`) and they all have the output's dtype (``torch.cat`` would promote otherwise)."""
+    if len(outputs) != 1:
+        return None
+    name, shape, dtype = outputs[0]
+    lengths = {len(items) for items in group.sources.values()}
+    if len(lengths) != 1:
+        return None
+    where = placement(group.rule, len(group.sources), lengths.pop())
+    if where is None or any(_dtype_of(o) != dtype for items in group.sources.values() for _, o in items):
+        return None
+    target = cast.get(name, dtype)
+    if not (dtype.is_floating_point and target.is_floating_point):
+        target = dtype
+    return where, name, shape, target
 
 
 class LazyConverted:
@@ -254,16 +301,20 @@ class Plan:
             ConversionError: an operation cannot be applied, or two groups produce the same key.
         """
         self.references = reference_shapes  # reused by lazy_outputs: real tensors are split like the dry run
-        out, cache = {}, {}
+        out: dict = {}
+        cache: dict[tuple, list] = {}
         for group in self.groups.values():
             signature = _dry_signature(group, reference_shapes)
             if signature not in cache:  # layers of one model usually share shapes: run the meta ops once per shape
-                collected = {
-                    p: [torch.empty(shape_of(o), dtype=_dtype_of(o), device="meta") for _, o in items]
-                    for p, items in group.sources.items()
-                }
-                raw = _run_group(group, collected, reference_shapes, with_names=False)
-                cache[signature] = [(k, tuple(t.shape), t.dtype) for k, t in raw.items()]
+                placed = _placed_output(group)  # placing only: the shape without the meta ops
+                if placed is None:
+                    collected = {
+                        p: [torch.empty(shape_of(o), dtype=_dtype_of(o), device="meta") for _, o in items]
+                        for p, items in group.sources.items()
+                    }
+                    raw = _run_group(group, collected, reference_shapes, with_names=False)
+                    placed = [(k, tuple(t.shape), t.dtype) for k, t in raw.items()]
+                cache[signature] = placed
             for raw_key, shape, dtype in cache[signature]:
                 name = self._finish_name(group.prefix + raw_key + group.suffix)
                 if name in out or name in self.passthrough:
@@ -281,17 +332,32 @@ class Plan:
         for name in [n for n, (_, _, g) in dry.items() if g is group]:
             del dry[name]
 
-    def lazy_outputs(self, dry: dict, release_mapped_sources: bool = False) -> dict[str, LazyConverted]:
+    def lazy_outputs(
+        self, dry: dict, release_mapped_sources: bool = False, cast: dict | None = None
+    ) -> dict[str, LazyConverted]:
         """Lazy placeholders for every converted key of a forward plan (one shared runner per group), converted
         with the reference shapes given to :meth:`dry_run`.
 
         ``release_mapped_sources``: once a group is converted, give the pages of its safetensors-slice sources back
         to the kernel (:mod:`.pages`). Only for file handles nobody else holds (the loader's own, or opened here):
         a page a caller had modified through another tensor of the same handle would revert to the file.
+
+        ``cast``: ``{output name: dtype}``, the floating dtype the consumer casts each output to (``from_pretrained``:
+        the parameter's dtype). A group whose rule only places its sources (``Concatenate``; :mod:`.placement`) is
+        read straight into one output allocated in that dtype, so ``obj[...]`` returns it already cast (the same
+        values as converting, then casting). Other outputs keep their converted dtype.
         """
         if self.reverse:
             raise ConversionError("lazy conversion is only available for loading (reverse=False)")
-        runners = {id(g): _GroupRunner(g, self.references, release_mapped_sources) for g in self.groups.values()}
+        outputs = defaultdict(list)
+        for name, (shape, dtype, g) in dry.items():
+            outputs[id(g)].append((name, shape, dtype))
+        runners = {
+            id(g): _GroupRunner(
+                g, self.references, release_mapped_sources, _fused_output(g, outputs[id(g)], cast or {})
+            )
+            for g in self.groups.values()
+        }
         return {name: LazyConverted(runners[id(g)], name, shape, dtype) for name, (shape, dtype, g) in dry.items()}
 
     def convert_all(self, reference_shapes=None, materialize_passthrough: bool = False) -> dict:
