@@ -98,6 +98,9 @@ def _experts_recipe_names() -> list[str]:
     return [f"{mt}{_EXPERTS_SUFFIX}" for mt in experts_model_types() if not experts_family(mt).unsupported]
 
 
+_BUILT: dict[str, Recipe] = {}  # linear-experts recipes, built on first use
+
+
 def list_recipes() -> list[str]:
     """Names of every recipe, sorted (the linear-experts ones are derived from the installed Transformers)."""
     return sorted({*_RECIPES, "linear-experts", *_experts_recipe_names()})
@@ -112,6 +115,8 @@ def _lookup(name: str) -> Recipe | None:
     """
     if name in _RECIPES:
         return _RECIPES[name]
+    if name in _BUILT:
+        return _BUILT[name]
     if name == "linear-experts":
         recipe = generic_linear_experts_recipe()
     elif name.endswith(_FROM_FUSED_SUFFIX) and name[: -len(_FROM_FUSED_SUFFIX)] in experts_model_types():
@@ -127,7 +132,7 @@ def _lookup(name: str) -> Recipe | None:
         recipe = linear_experts_recipe(name[: -len(_EXPERTS_SUFFIX)])
     else:
         return None
-    _RECIPES[name] = recipe
+    _BUILT[name] = recipe
     return recipe
 
 
@@ -147,8 +152,10 @@ def get_recipe(name: str) -> Recipe:
         found.append(_lookup(part))
     missing = [p for p, r in zip(parts, found) if r is None]
     if missing or not parts:
+        types = [n.removesuffix(_EXPERTS_SUFFIX) for n in _experts_recipe_names()]
         raise UnknownRecipeError(
-            f"unknown recipe {missing[0] if missing else name!r}; known: {', '.join(list_recipes())}"
+            f"unknown recipe {missing[0] if missing else name!r}; known: {', '.join(sorted(_RECIPES))}, "
+            f"linear-experts, and <model_type>-linear-experts for {', '.join(types)}"
         )
     recipe = found[0]
     for other in found[1:]:

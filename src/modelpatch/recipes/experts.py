@@ -58,7 +58,6 @@ gradients within 1e-5):
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib
 import re
@@ -403,7 +402,7 @@ class LinearExperts(nn.ModuleList):
                 ExpertMLP(
                     self.hidden_dim,
                     self.intermediate_dim,
-                    copy.deepcopy(act) if isinstance(act, nn.Module) else act,
+                    act,  # one activation module (no parameters, checked) shared by the experts
                     names,
                     bias=flags["has_bias"],
                     gating=derived["gating"],
@@ -541,6 +540,8 @@ def _conversion_rules(family: ExpertsFamily) -> list:
     _, others, _ = _split_builtins(family.model_type)
     rules: list = []
     for rule in others:
+        if isinstance(rule, _tcml.PrefixChange):
+            continue  # a change of the base-model prefix, which Transformers applies itself
         if type(rule) is _tcml.WeightRenaming:
             sources, targets = list(rule._original_source_patterns), list(rule._original_target_patterns)
             rules.append(LayoutWeightRenaming(sources, targets, layout=per_expert))
@@ -620,9 +621,6 @@ def generic_linear_experts_recipe() -> Recipe:
         conversion=conversion,
         model_types=tuple(types),
     )
-
-
-_LEGACY_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
 
 
 def __getattr__(name: str):
