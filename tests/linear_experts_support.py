@@ -99,9 +99,13 @@ def _slices(experts: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
             b = getattr(experts, f"{name}_bias")[e] if experts.has_bias else None
             if name == "gate_up_proj":
                 half = w.shape[0] // 2
-                pick = (slice(0, None, 2), slice(1, None, 2)) if not experts.is_concatenated else (
-                    slice(0, half),
-                    slice(half, None),
+                pick = (
+                    (slice(0, None, 2), slice(1, None, 2))
+                    if not experts.is_concatenated
+                    else (
+                        slice(0, half),
+                        slice(half, None),
+                    )
                 )
                 for part, rows in zip(("gate", "up"), pick):
                     weights[f"{part}.weight"] = w[rows]

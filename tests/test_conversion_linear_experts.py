@@ -103,7 +103,9 @@ def test_generic_recipe_covers_every_family_and_loads_both(tmp_path):
     assert generic.patch_mapping["Qwen3MoeExperts"] is LINEAR_EXPERTS_CLASSES["qwen3_moe"]
     assert generic.patch_mapping["GptOssExperts"] is LINEAR_EXPERTS_CLASSES["gpt_oss"]
     assert "MuseSparkExperts" not in generic.patch_mapping  # unsupported (post-expert norm)
-    assert len(generic.patch_mapping) >= 55 and all(issubclass(c, LinearExperts) for c in generic.patch_mapping.values())
+    assert len(generic.patch_mapping) >= 55 and all(
+        issubclass(c, LinearExperts) for c in generic.patch_mapping.values()
+    )
     vanilla = _randomized(AutoModelForCausalLM.from_config(tiny_qwen3_moe_config()))
     vanilla.save_pretrained(tmp_path / "fused", save_original_format=False)
     with generic.apply(strict=True):

@@ -31,7 +31,7 @@ def test_table_is_canonical_and_has_a_column_per_ci_release():
     assert sorted(columns, key=lambda r: tuple(map(int, r.split(".")))) == ci_releases()
     for release, rows in columns.items():
         supported = {mt for mt, (ok, _, _) in rows.items() if ok}
-        assert set(REQUIRED) - {"dots1"} <= supported or set(REQUIRED) <= supported | {"dots1"}, release
+        assert set(REQUIRED) <= supported, release
 
 
 @pytest.mark.slow

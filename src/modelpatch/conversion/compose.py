@@ -113,7 +113,7 @@ def rules_fitting_model(model, resolved: ResolvedRules | None, names=None) -> Re
     for ruleset, scope, sub in resolved.entries:
         mine = [r for r in resolved.rules if resolved.owner[id(r)] == ruleset.name and r.scope_prefix == scope]
         # of alternative checkpoint layouts, a model that was not loaded has the default one
-        mine = [r for r in mine if rule_layout(r) is None or rule_layout(r).default]
+        mine = [r for r in mine if getattr(rule_layout(r), "default", True)]
         converters = {id(r) for r in mine if isinstance(r, _tcml.WeightConverter)}
         kept = [r for r in mine if id(r) not in converters or has_target_layout(r, names)]
         if converters and not any(id(r) in converters for r in kept):

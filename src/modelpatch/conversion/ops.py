@@ -352,7 +352,9 @@ def as_modelpatch_op(op: _tcml.ConversionOps) -> _tcml.ConversionOps:
             :func:`check_operation`).
     """
     check_operation(op)
-    if isinstance(op, (Chunk, Concatenate, Deinterleave, Interleave, MergeModulelist, SplitModulelist, SwapDims, Transpose)):
+    if isinstance(
+        op, (Chunk, Concatenate, Deinterleave, Interleave, MergeModulelist, SplitModulelist, SwapDims, Transpose)
+    ):
         return op
     if type(op) is _tcml.Chunk and getattr(op, "num_shards_attribute", None) is None:
         return Chunk(op.dim)

@@ -31,7 +31,12 @@ __all__ = [
     "LayoutWeightRenaming",
     "rule_layout",
     "WeightConverter",
-    "WeightRenaming", "RuleMatch", "match_rule", "pattern_regex", "as_modelpatch_rule"]
+    "WeightRenaming",
+    "RuleMatch",
+    "match_rule",
+    "pattern_regex",
+    "as_modelpatch_rule",
+]
 
 _NAME_START = re.compile(r"[A-Za-z0-9_]")
 

@@ -147,7 +147,7 @@ def get_recipe(name: str) -> Recipe:
         UnsupportedExpertsError: ``"<type>-linear-experts"`` of a model type whose experts cannot be supported.
     """
     parts = [p.strip() for p in name.split("+")]
-    found = []
+    found: list[Recipe | None] = []
     for part in parts:  # a loop, not a comprehension: the FutureWarning of an alias points at the caller
         found.append(_lookup(part))
     missing = [p for p, r in zip(parts, found) if r is None]
@@ -157,7 +157,8 @@ def get_recipe(name: str) -> Recipe:
             f"unknown recipe {missing[0] if missing else name!r}; known: {', '.join(sorted(_RECIPES))}, "
             f"linear-experts, and <model_type>-linear-experts for {', '.join(types)}"
         )
-    recipe = found[0]
-    for other in found[1:]:
+    recipes = [r for r in found if r is not None]
+    recipe = recipes[0]
+    for other in recipes[1:]:
         recipe = recipe + other
     return recipe

@@ -96,7 +96,6 @@ __all__ = [
     "linear_experts_class",
     "linear_experts_recipe",
     "generic_linear_experts_recipe",
-    "FAMILIES",
 ]
 
 
@@ -226,9 +225,13 @@ def _split_builtins(model_type: str) -> tuple[dict[str, list[str]], list, str | 
         sources = [_PER_EXPERT_SOURCE.search(_unescape(s)) for s in rule._original_source_patterns]
         standard = (["MergeModulelist", "Concatenate"], 2) if fused[0] == "gate_up_proj" else (["MergeModulelist"], 1)
         if (ops, len(sources)) != standard or not all(sources):
-            return {}, others, (
-                f"Transformers converts its checkpoints' experts with {ops} "
-                f"({rule._original_source_patterns} -> {rule._original_target_patterns}), not from per-expert tensors"
+            return (
+                {},
+                others,
+                (
+                    f"Transformers converts its checkpoints' experts with {ops} "
+                    f"({rule._original_source_patterns} -> {rule._original_target_patterns}), not from per-expert tensors"
+                ),
             )
         names[fused[0]] = [m.group(1) for m in sources if m]
     return names, others, None
@@ -345,7 +348,8 @@ def _derive(ref: nn.Module, cls_name: str) -> dict[str, Any]:
             f"{cls_name}: parameters {sorted(found)}, expected exactly {sorted(expected)} (the fused experts "
             "tensors of its @use_experts_implementation flags)"
         )
-    up, down = getattr(ref, first), ref.down_proj
+    up: torch.Tensor = getattr(ref, first)
+    down: torch.Tensor = ref.down_proj  # type: ignore[assignment]
     if flags["is_transposed"]:
         num, hidden, intermediate = up.shape[0], up.shape[1], down.shape[1]
     else:
