@@ -248,28 +248,47 @@ def _text_config(model_type: str) -> str | None:
     return next((s for s in rc._SUBS if isinstance(rc._get(config, s), transformers.PretrainedConfig)), None)
 
 
-def measure() -> rc.Rows:
-    """One row per model type with decorated experts (a composite model type: its MoE text model, reason
-    ``via `text_type```, when that model type has its own row)."""
+def text_types() -> dict[str, str]:
+    """``{row model type: model type its tiny model is built as}``: the MoE model types (of the routing table) and
+    each modeling module's own model type (not its vision or audio towers); a composite one is built as its text
+    model's type."""
     families = rc.moe_families()
-    # the MoE model types (of the routing table), and each modeling module's own model type: not its vision or
-    # audio towers
     types = [mt for mt in experts_model_types() if mt in families or _module_name(mt) == mt]
-    rows: rc.Rows = {}
-    composites = {}
+    out = {}
     for mt in types:
         sub = families[mt] if mt in families else _text_config(mt)
-        text = mt if sub is None else rc._get(rc._default_config(mt), sub).model_type
-        if text != mt and text in types:
+        out[mt] = mt if sub is None else rc._get(rc._default_config(mt), sub).model_type
+    return out
+
+
+def measure() -> rc.Rows:
+    """One row per model type with decorated experts (a composite model type whose text model has its own row:
+    see :func:`composite_rows`)."""
+    texts = text_types()
+    rows: rc.Rows = {}
+    composites = {}
+    for mt, text in texts.items():
+        if text != mt and text in texts:
             composites[mt] = text
             continue
         rows[mt] = check(mt, text)
         if __name__ == "__main__":
             print(mt, rows[mt], file=sys.stderr, flush=True)
+    return dict(sorted({**rows, **composite_rows(composites, rows)}.items()))
+
+
+def composite_rows(composites: dict[str, str], rows: rc.Rows) -> rc.Rows:
+    """The row of each composite model type: its own recipe's reason when its family cannot be supported (e.g.
+    Transformers transposes its fused checkpoint tensors), else its text model's result, ``via `text_type```."""
+    out: rc.Rows = {}
     for mt, text in composites.items():
+        family = experts_family(mt)
+        if family.unsupported:
+            out[mt] = (False, family.original, family.unsupported)
+            continue
         ok, cls, _ = rows.get(text, (False, "?", "?"))
-        rows[mt] = (ok, cls, f"via `{text}`")
-    return dict(sorted(rows.items()))
+        out[mt] = (ok, cls, f"via `{text}`")
+    return out
 
 
 if __name__ == "__main__":
@@ -281,8 +300,12 @@ if __name__ == "__main__":
     logging.disable_progress_bar()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    measured = measure()
-    if "--write" in sys.argv:
+    measured = {} if "--composites" in sys.argv else measure()
+    if "--composites" in sys.argv:  # recompute the composite rows of this release's README column only
+        documented = parse(readme_table())[transformers.__version__]
+        texts = {mt: t for mt, t in text_types().items() if t != mt and t in text_types()}
+        measured = {**documented, **composite_rows(texts, documented)}
+    if "--write" in sys.argv or "--composites" in sys.argv:
         write_readme_table(render({**parse(readme_table()), transformers.__version__: measured}))
     print(render({transformers.__version__: measured}))
     print(f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
