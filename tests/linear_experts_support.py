@@ -281,12 +281,13 @@ def composite_rows(composites: dict[str, str], rows: rc.Rows) -> rc.Rows:
     """The row of each composite model type: its own recipe's reason when its family cannot be supported (e.g.
     Transformers transposes its fused checkpoint tensors), else its text model's result, ``via `text_type```."""
     out: rc.Rows = {}
-    for mt, text in composites.items():
+    # a composite of a composite (qwen3_omni_moe -> its thinker -> the thinker's text model): the inner one first
+    for mt, text in sorted(composites.items(), key=lambda item: item[1] in composites):
         family = experts_family(mt)
         if family.unsupported:
             out[mt] = (False, family.original, family.unsupported)
             continue
-        ok, cls, _ = rows.get(text, (False, "?", "?"))
+        ok, cls, _ = rows.get(text) or out.get(text) or (False, "?", "?")
         out[mt] = (ok, cls, f"via `{text}`")
     return out
 
