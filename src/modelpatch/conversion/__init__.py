@@ -34,7 +34,7 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 from .errors import ConversionError, ConversionShapeError
 from .manual import load_converted_state_dict
 from .offline import convert_checkpoint
-from .ops import Chunk, Concatenate, MergeModulelist, SplitModulelist, Transpose
+from .ops import Chunk, Concatenate, Deinterleave, Interleave, MergeModulelist, SplitModulelist, SwapDims, Transpose
 from .plan import ConversionRow
 from .quantized import QuantizedSaveError
 from .registry import (
@@ -45,7 +45,7 @@ from .registry import (
     unregister_checkpoint_conversion_mapping,
 )
 from .report import conversion_report
-from .rules import WeightConverter, WeightRenaming
+from .rules import Layout, LayoutWeightConverter, LayoutWeightRenaming, WeightConverter, WeightRenaming
 from .saving import bind_conversion_rules, iter_original_state_dict
 from .statedict import has_state_dict_hooks
 from .streaming import OriginalLayoutIterator  # registers the state listener that installs the hooks
@@ -56,10 +56,16 @@ __all__ = [
     "ConversionError",
     "ConversionRow",
     "ConversionShapeError",
+    "Deinterleave",
+    "Interleave",
+    "Layout",
+    "LayoutWeightConverter",
+    "LayoutWeightRenaming",
     "MergeModulelist",
     "OriginalLayoutIterator",
     "QuantizedSaveError",
     "SplitModulelist",
+    "SwapDims",
     "Transpose",
     "WeightConverter",
     "WeightRenaming",

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from ..patching.provenance import build_record
 from . import registry
 from .overlap import drop_replaced_builtins, has_target_layout, overlaps
+from .rules import rule_layout
 from .state import get_state
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "compose_builtins",
     "drop_replaced_builtins",
     "rules_fitting_model",
+    "settle_layouts",
+    "layout_settled",
     "has_target_layout",
     "overlaps",
     "built_by_modelpatch",
@@ -109,6 +112,8 @@ def rules_fitting_model(model, resolved: ResolvedRules | None, names=None) -> Re
     fitting = ResolvedRules()
     for ruleset, scope, sub in resolved.entries:
         mine = [r for r in resolved.rules if resolved.owner[id(r)] == ruleset.name and r.scope_prefix == scope]
+        # of alternative checkpoint layouts, a model that was not loaded has the default one
+        mine = [r for r in mine if getattr(rule_layout(r), "default", True)]
         converters = {id(r) for r in mine if isinstance(r, _tcml.WeightConverter)}
         kept = [r for r in mine if id(r) not in converters or has_target_layout(r, names)]
         if converters and not any(id(r) in converters for r in kept):
@@ -119,6 +124,34 @@ def rules_fitting_model(model, resolved: ResolvedRules | None, names=None) -> Re
         fitting.owner.update({id(r): ruleset.name for r in kept})
         fitting.entries.append((ruleset, scope, sub))
     return fitting if fitting.entries else None
+
+
+def settle_layouts(rules, kept: set, fired: set) -> set:
+    """``kept`` (rule ids) without the rules of the alternative :class:`~.rules.Layout` s the checkpoint was not in:
+    per layout group, the layouts with a rule in ``fired`` stay (all their rules), or the default layout when none
+    fired; rules without a layout are untouched."""
+    chosen: dict[str, set] = {}
+    for rule in rules:
+        layout = rule_layout(rule)
+        if layout is not None and id(rule) in fired:
+            chosen.setdefault(layout.group, set()).add(layout.name)
+    settled = set()
+    for rule in rules:
+        layout = rule_layout(rule)
+        if id(rule) not in kept:
+            continue
+        if layout is None or layout.name in chosen.get(layout.group, {layout.name} if layout.default else set()):
+            settled.add(id(rule))
+    return settled
+
+
+def layout_settled(rule, rules, fired: set) -> bool:
+    """Whether ``rule`` belongs to a layout group another rule of which fired (the checkpoint was in another of the
+    alternative layouts): a rule of such a group matching nothing is expected."""
+    layout = rule_layout(rule)
+    if layout is None:
+        return False
+    return any(id(r) in fired and getattr(rule_layout(r), "group", None) == layout.group for r in rules)
 
 
 def _signature(rule) -> tuple:

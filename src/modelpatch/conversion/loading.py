@@ -10,7 +10,14 @@ from collections import defaultdict
 from transformers import core_model_loading as _tcml
 from transformers.utils import logging
 
-from .compose import ResolvedRules, compose_builtins, has_target_layout, rules_fitting_model
+from .compose import (
+    ResolvedRules,
+    compose_builtins,
+    has_target_layout,
+    layout_settled,
+    rules_fitting_model,
+    settle_layouts,
+)
 from .errors import ConversionError, ConversionShapeError
 from .plan import Plan, build_plan, shape_of
 from .quantized import fix_prequantized_metadata, prepare_prequantized_items, prequantized_companion
@@ -39,8 +46,8 @@ def _check_unmatched(plan: Plan, resolved: ResolvedRules, keys) -> None:
     layout they convert to (e.g. written by ``modelpatch convert``): such a rule has nothing to do on load and is
     still reversed on save."""
     for rule in resolved.rules:
-        if id(rule) in plan.fired:
-            continue
+        if id(rule) in plan.fired or layout_settled(rule, resolved.rules, plan.fired):
+            continue  # fired, or the checkpoint is in another of the rule's alternative layouts
         if has_target_layout(rule, keys):
             logger.info(f"Conversion rule {rule!r}: the checkpoint is already in its target layout")
             continue
@@ -131,6 +138,7 @@ def prepare(
     # already in it (e.g. written by `modelpatch convert`): the model still saves the original layout
     fitting = rules_fitting_model(model, resolved, model_shapes)
     kept = plan.fired | {id(rule) for rule in (fitting.rules if fitting else ())}
+    kept = settle_layouts(resolved.rules, kept, plan.fired)  # alternative layouts: the checkpoint's own is saved
     fired = [rule for rule in resolved.rules if id(rule) in kept]
     state = ConversionState(fired, resolved.owner, recorded, plan.rows("load", resolved.owner, dry))
     return plan, dry, state

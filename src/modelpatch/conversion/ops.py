@@ -25,6 +25,9 @@ from .errors import ConversionError
 __all__ = [
     "Chunk",
     "Concatenate",
+    "Deinterleave",
+    "Interleave",
+    "SwapDims",
     "MergeModulelist",
     "SplitModulelist",
     "Transpose",
@@ -206,6 +209,102 @@ class Transpose(_tcml.Transpose):
         return Transpose(self.dim1, self.dim0)
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, list) else [value]
+
+
+class Deinterleave(_tcml.ConversionOps):
+    """Split one tensor along ``dim`` (>= 0) into one piece per target pattern by stride: with ``n`` targets, piece
+    ``i`` holds the indices ``i, i + n, i + 2n, ...`` (gpt-oss stores gate and up columns alternately: gate ``0::2``,
+    up ``1::2``).
+
+    Input: ``{source: Tensor[..., n * m, ...]}``; output: ``{target_i: Tensor[..., m, ...]}`` (strided views; the plan
+    copies each final output into its own storage). Inverse: :class:`Interleave`.
+
+    Raises:
+        ConversionError: the size along ``dim`` is not a multiple of the number of targets.
+    """
+
+    def __init__(self, dim: int = 0):
+        if operator.index(dim) < 0:
+            raise ModelpatchValueError(f"Deinterleave(dim={dim}): dim must be >= 0")
+        self.dim = dim
+
+    def __repr__(self):
+        return f"Deinterleave(dim={self.dim})"
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, **kwargs):
+        tensor = _single_tensor(input_dict, repr(self))
+        n, size = len(target_patterns), tensor.shape[self.dim]
+        if size % n:
+            raise ConversionError(f"{self!r}: cannot split {size} into {n} interleaved pieces ({full_layer_name})")
+        pieces = tensor.unflatten(self.dim, (size // n, n)).unbind(self.dim + 1)
+        return dict(zip(target_patterns, pieces))
+
+    @property
+    def reverse_op(self) -> Interleave:
+        return Interleave(self.dim)
+
+
+class Interleave(_tcml.ConversionOps):
+    """Merge the source tensors (in ``source_patterns`` order, all of one shape) along ``dim`` (>= 0) alternately:
+    index ``j * n + i`` of the result is index ``j`` of source ``i``. Inverse: :class:`Deinterleave`.
+
+    Input: ``{source_i: Tensor[..., m, ...]}``; output: ``{target: Tensor[..., n * m, ...]}``.
+
+    Raises:
+        ConversionError: the sources do not all have one shape.
+    """
+
+    def __init__(self, dim: int = 0):
+        if operator.index(dim) < 0:
+            raise ModelpatchValueError(f"Interleave(dim={dim}): dim must be >= 0")
+        self.dim = dim
+
+    def __repr__(self):
+        return f"Interleave(dim={self.dim})"
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, **kwargs):
+        tensors = [t for p in source_patterns if p in input_dict for t in _tensors(input_dict.pop(p))]
+        if len({tuple(t.shape) for t in tensors}) != 1:
+            shapes = [tuple(t.shape) for t in tensors]
+            raise ConversionError(f"{self!r}: the pieces of '{full_layer_name}' differ in shape: {shapes}")
+        return {target_patterns[0]: torch.stack(tensors, dim=self.dim + 1).flatten(self.dim, self.dim + 1)}
+
+    @property
+    def reverse_op(self) -> Deinterleave:
+        return Deinterleave(self.dim)
+
+
+class SwapDims(_tcml.ConversionOps):
+    """Swap dimensions ``dim0`` and ``dim1`` of every tensor of the input, names unchanged (a step inside a chain,
+    e.g. transposed fused experts ``(E, in, out)`` -> ``(E, out, in)`` before they are split into ``nn.Linear``
+    weights). Its own inverse (with the dims swapped back).
+
+    Input and output: ``{pattern: Tensor or [Tensor]}``, each tensor transposed (a view).
+    """
+
+    def __init__(self, dim0: int = 0, dim1: int = 1):
+        self.dim0, self.dim1 = dim0, dim1
+
+    def __repr__(self):
+        return f"SwapDims(dim0={self.dim0}, dim1={self.dim1})"
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        out = {}
+        for key, value in input_dict.items():
+            swapped = [t.transpose(self.dim0, self.dim1) for t in _tensors(value)]
+            out[key] = swapped if isinstance(value, list) else swapped[0]
+        return out
+
+    @property
+    def reverse_op(self) -> SwapDims:
+        return SwapDims(self.dim1, self.dim0)
+
+
 _FROM_TRANSFORMERS: Mapping[type, type] = {
     _tcml.Concatenate: Concatenate,
     _tcml.MergeModulelist: MergeModulelist,
@@ -253,7 +352,9 @@ def as_modelpatch_op(op: _tcml.ConversionOps) -> _tcml.ConversionOps:
             :func:`check_operation`).
     """
     check_operation(op)
-    if isinstance(op, (Chunk, Concatenate, MergeModulelist, SplitModulelist, Transpose)):
+    if isinstance(
+        op, (Chunk, Concatenate, Deinterleave, Interleave, MergeModulelist, SplitModulelist, SwapDims, Transpose)
+    ):
         return op
     if type(op) is _tcml.Chunk and getattr(op, "num_shards_attribute", None) is None:
         return Chunk(op.dim)

@@ -25,7 +25,18 @@ from ..errors import ModelpatchTypeError
 from .errors import ConversionError
 from .ops import as_modelpatch_op, check_operation
 
-__all__ = ["WeightConverter", "WeightRenaming", "RuleMatch", "match_rule", "pattern_regex", "as_modelpatch_rule"]
+__all__ = [
+    "Layout",
+    "LayoutWeightConverter",
+    "LayoutWeightRenaming",
+    "rule_layout",
+    "WeightConverter",
+    "WeightRenaming",
+    "RuleMatch",
+    "match_rule",
+    "pattern_regex",
+    "as_modelpatch_rule",
+]
 
 _NAME_START = re.compile(r"[A-Za-z0-9_]")
 
@@ -107,6 +118,67 @@ class WeightConverter(_BoundaryMatching, _tcml.WeightConverter):
             f"WeightConverter(source_patterns={self._original_source_patterns}, "
             f"target_patterns={self._original_target_patterns}, operations={self.operations})"
         )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One of several checkpoint layouts that rules of one recipe accept for the same parameters.
+
+    A recipe may load a parameter from checkpoints in different layouts (per-expert tensors, or the fused experts
+    tensors of ``save_pretrained(..., save_original_format=False)``): its rules for each layout carry a
+    :class:`Layout` of one ``group``. What a load reverses on save is then decided by the checkpoint: the layouts
+    of the group whose rules fired (all rules of those layouts are kept, the other layouts' rules are dropped);
+    when no rule of the group fired, and for a model that was built rather than loaded, the ``default`` layout.
+    A layout that did not fire does not warn "matched no checkpoint key" when another layout of its group fired.
+
+    Attributes:
+        group: name shared by the alternative layouts (e.g. ``"qwen3_moe-experts"``).
+        name: this layout (e.g. ``"per-expert"``, ``"fused"``).
+        default: the layout written when nothing was loaded (at most one per group).
+    """
+
+    group: str
+    name: str
+    default: bool = False
+
+
+class LayoutWeightRenaming(WeightRenaming):
+    """A :class:`WeightRenaming` that belongs to one checkpoint :class:`Layout` (keyword ``layout``)."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, source_patterns, target_patterns, *, layout: Layout | None = None):
+        super().__init__(source_patterns, target_patterns)
+        self.layout = layout
+
+    def copy(self, source_patterns, target_patterns, **kwargs):
+        new = super().copy(source_patterns, target_patterns, **kwargs)
+        new.layout = self.layout  # the reverse of a rule belongs to its layout too
+        return new
+
+
+class LayoutWeightConverter(WeightConverter):
+    """A :class:`WeightConverter` that belongs to one checkpoint :class:`Layout` (keyword ``layout``)."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, source_patterns, target_patterns, operations, *, layout: Layout | None = None, **kwargs):
+        super().__init__(source_patterns, target_patterns, operations, **kwargs)
+        self.layout = layout
+
+    def copy(self, source_patterns, target_patterns, **kwargs):
+        new = super().copy(source_patterns, target_patterns, **kwargs)
+        new.layout = self.layout  # the reverse of a rule belongs to its layout too
+        return new
+
+    def __repr__(self):
+        return super().__repr__()[:-1] + f", layout={getattr(self.layout, 'name', None)!r})"
+
+
+def rule_layout(rule) -> Layout | None:
+    """The :class:`Layout` of ``rule``, or ``None`` for a rule that applies to every layout."""
+    layout = getattr(rule, "layout", None)
+    return layout if isinstance(layout, Layout) else None
 
 
 @dataclass(frozen=True)

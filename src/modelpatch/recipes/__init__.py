@@ -11,8 +11,10 @@ built-in expert fusion dropped). :mod:`.base` defines :class:`Recipe` and :class
 
 =========================  ===========================================================================
 ``<type>-fused-qkv``       llama, mistral, qwen2, qwen2_moe, qwen3 (:mod:`.attention`); bert (:mod:`.bert`)
-``<type>-linear-experts``  qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3 (:mod:`.experts`); Hub layout
-``...-from-fused``         the same for checkpoints saved in Transformers' fused experts layout
+``<type>-linear-experts``  every model type with a ``@use_experts_implementation`` experts class
+                           (:mod:`.experts`, derived on first use); per-expert or fused checkpoints
+``linear-experts``         all of those at once
+``...-from-fused``         deprecated alias of ``<type>-linear-experts`` (FutureWarning)
 =========================  ===========================================================================
 
 :mod:`.calibration` has :func:`~.calibration.calibrate_all_experts` (every expert of the per-expert recipes runs on
@@ -21,13 +23,23 @@ every token, for GPTQ/AWQ-style calibration observers).
 
 from __future__ import annotations
 
+import warnings
+
 from ..errors import ModelpatchError
 from .attention import FAMILIES as _ATTENTION_FAMILIES
 from .attention import FUSED_QKV_CLASSES, FusedQKVAttention, fused_qkv_recipe
 from .base import Recipe, RuleSpec
 from .bert import BERT_FUSED_QKV, FusedQKVBertSelfAttention
-from .experts import FAMILIES as _EXPERTS_FAMILIES
-from .experts import LINEAR_EXPERTS_CLASSES, ExpertMLP, LinearExperts, linear_experts_recipe
+from .experts import (
+    LINEAR_EXPERTS_CLASSES,
+    ExpertMLP,
+    LinearExperts,
+    UnsupportedExpertsError,
+    experts_family,
+    experts_model_types,
+    generic_linear_experts_recipe,
+    linear_experts_recipe,
+)
 
 __all__ = [
     "Recipe",
@@ -41,6 +53,7 @@ __all__ = [
     "ExpertMLP",
     "FUSED_QKV_CLASSES",
     "LINEAR_EXPERTS_CLASSES",
+    "UnsupportedExpertsError",
     "FULL_EXAMPLE",
 ]
 
@@ -55,9 +68,17 @@ class UnknownRecipeError(ModelpatchError, KeyError):
 def _build() -> dict[str, Recipe]:
     recipes = [fused_qkv_recipe(f) for f in _ATTENTION_FAMILIES]
     recipes.append(BERT_FUSED_QKV)
-    recipes += [linear_experts_recipe(f, from_fused=fused) for f in _EXPERTS_FAMILIES for fused in (False, True)]
     by_name = {r.name: r for r in recipes}
-    full = by_name["qwen2_moe-fused-qkv"] + by_name["qwen2_moe-linear-experts"]
+    experts = linear_experts_recipe("qwen2_moe")
+    # the founding document's example reads the Hub's per-expert checkpoints only: the experts' classes, and the
+    # built-in expert fusion dropped (no rule of the fused layout)
+    per_expert = Recipe(
+        name=experts.name,
+        description=experts.description,
+        patch_mapping=experts.patch_mapping,
+        conversion={"qwen2_moe": RuleSpec(list, overwrite=True)},
+    )
+    full = by_name["qwen2_moe-fused-qkv"] + per_expert
     by_name["qwen2_moe-full-example"] = Recipe(
         name="qwen2_moe-full-example",
         description="founding document's full example: per-expert experts + fused QKV + Concatenate rule (qwen2_moe)",
@@ -72,24 +93,75 @@ _RECIPES = _build()
 FULL_EXAMPLE = _RECIPES["qwen2_moe-full-example"]
 
 
+_EXPERTS_SUFFIX = "-linear-experts"
+_FROM_FUSED_SUFFIX = "-linear-experts-from-fused"
+
+
+def _experts_recipe_names() -> list[str]:
+    return [f"{mt}{_EXPERTS_SUFFIX}" for mt in experts_model_types() if not experts_family(mt).unsupported]
+
+
+_BUILT: dict[str, Recipe] = {}  # linear-experts recipes, built on first use
+
+
 def list_recipes() -> list[str]:
-    """Names of every recipe, sorted."""
-    return sorted(_RECIPES)
+    """Names of every recipe, sorted (the linear-experts ones are derived from the installed Transformers)."""
+    return sorted({*_RECIPES, "linear-experts", *_experts_recipe_names()})
+
+
+def _lookup(name: str) -> Recipe | None:
+    """The recipe ``name``, building a linear-experts recipe on first use (``None``: no such recipe).
+
+    Raises:
+        UnsupportedExpertsError: ``<type>-linear-experts`` of a model type with decorated experts that cannot be
+            supported (the message says why).
+    """
+    if name in _RECIPES:
+        return _RECIPES[name]
+    if name in _BUILT:
+        return _BUILT[name]
+    if name == "linear-experts":
+        recipe = generic_linear_experts_recipe()
+    elif name.endswith(_FROM_FUSED_SUFFIX) and name[: -len(_FROM_FUSED_SUFFIX)] in experts_model_types():
+        replacement = name[: -len("-from-fused")]
+        warnings.warn(
+            f"recipe {name!r} is deprecated: {replacement!r} loads fused and per-expert checkpoints alike (and saves "
+            "the layout it loaded); use it instead",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return _lookup(replacement)
+    elif name.endswith(_EXPERTS_SUFFIX) and name[: -len(_EXPERTS_SUFFIX)] in experts_model_types():
+        recipe = linear_experts_recipe(name[: -len(_EXPERTS_SUFFIX)])
+    else:
+        return None
+    _BUILT[name] = recipe
+    return recipe
 
 
 def get_recipe(name: str) -> Recipe:
     """The recipe called ``name``; ``"a+b"`` combines recipes.
 
+    ``"<type>-linear-experts-from-fused"`` (deprecated) returns ``"<type>-linear-experts"`` with a
+    ``FutureWarning``.
+
     Raises:
         UnknownRecipeError: no such recipe (the message lists the known names).
+        UnsupportedExpertsError: ``"<type>-linear-experts"`` of a model type whose experts cannot be supported.
     """
     parts = [p.strip() for p in name.split("+")]
-    missing = [p for p in parts if p not in _RECIPES]
+    found: list[Recipe | None] = []
+    for part in parts:  # a loop, not a comprehension: the FutureWarning of an alias points at the caller
+        found.append(_lookup(part))
+    missing = [p for p, r in zip(parts, found) if r is None]
     if missing or not parts:
+        types = [n.removesuffix(_EXPERTS_SUFFIX) for n in _experts_recipe_names()]
         raise UnknownRecipeError(
-            f"unknown recipe {missing[0] if missing else name!r}; known: {', '.join(list_recipes())}"
+            f"unknown recipe {missing[0] if missing else name!r}; known: {', '.join(sorted(_RECIPES))}, "
+            f"linear-experts, and <model_type>-linear-experts for {', '.join(types)}"
         )
-    recipe = _RECIPES[parts[0]]
-    for part in parts[1:]:
-        recipe = recipe + _RECIPES[part]
+    recipes = [r for r in found if r is not None]
+    recipe = recipes[0]
+    for other in recipes[1:]:
+        recipe = recipe + other
     return recipe

@@ -1,24 +1,39 @@
-"""Per-expert linear experts: every expert a set of ``nn.Linear`` (what weight quantisers need).
+"""Per-expert linear experts: every expert a set of ``nn.Linear`` (what weight quantisers need), for every family.
 
-Transformers 5.x stores the experts of a MoE layer as two fused parameters: ``gate_up_proj`` of shape
-``(E, 2 * I, H)`` (gate rows then up rows) and ``down_proj`` of shape ``(E, H, I)``. The replacement
-:class:`LinearExperts` is an ``nn.ModuleList`` of ``E`` :class:`ExpertMLP` modules, expert ``e`` holding
-``gate (I, H)``, ``up (I, H)`` and ``down (H, I)`` linears without bias, i.e. the founding document's
-``ModuleListExperts`` generalised to every fused-experts family.
+Transformers 5.x stores the experts of a MoE layer as fused 3-D parameters in a class decorated with
+``@use_experts_implementation`` (``transformers.integrations.moe``), whose flags say how: ``has_gate``
+(``gate_up_proj`` holding gate and up, else ``up_proj`` only), ``is_transposed`` (``(E, in, out)`` instead of
+``(E, out, in)``), ``is_concatenated`` (gate rows then up rows; ``False``: gpt-oss's alternating gate/up columns),
+``has_bias`` (``<name>_bias`` of shape ``(E, out)``), ``has_post_expert_norm``; the class's ``_apply_gate`` (the
+default ``act_fn(gate) * up``, or the family's own, e.g. gpt-oss's clamped GLU) combines gate and up, and
+``batched_mm_experts_forward`` there is the generic formulation of every decorated class's math.
 
-Checkpoints on the Hub (and every ``save_pretrained`` of Transformers, which reverts its own fusion) keep one
-tensor per expert, under exactly the names :class:`LinearExperts` uses, so the recipe's conversion rules drop the
-built-in fusion (``overwrite=True``) and keep the other built-in rules the family needs (Mixtral's
-``block_sparse_moe`` → ``mlp`` renaming).
+Nothing here is written per family. For a ``model_type`` the decorated classes are found in its modeling module's
+source text (cheap: no modeling module is imported until a recipe is applied), the per-expert names in
+Transformers' own conversion mapping of that type (the source patterns of the converter that fuses
+``experts.*.<name>.weight`` into ``experts.gate_up_proj`` / ``experts.down_proj``: ``gate_proj/up_proj/down_proj``
+for Qwen, ``w1/w3/w2`` for Mixtral; ``gate_proj/up_proj/down_proj`` for families whose checkpoints are fused
+already, e.g. gpt-oss). The replacement of class ``<X>`` is ``Linear<X>`` (:class:`LinearExperts`): built with the
+original's constructor arguments, it builds the original on the ``meta`` device, reads its flags, shapes and the
+attributes its ``_apply_gate`` uses, and holds ``E`` :class:`ExpertMLP` modules, expert ``e`` with ``gate``, ``up``
+and ``down`` linears (``up`` and ``down`` only without gate; biases where the family has them).
 
-A checkpoint written in Transformers' fused layout (``save_pretrained(..., save_original_format=False)``) needs
-the ``<type>-linear-experts-from-fused`` recipe instead: ``gate_up_proj`` is split with ``Chunk(dim=1)`` (gate
-rows, up rows) then ``SplitModulelist(dim=0)`` (one tensor per expert), ``down_proj`` with ``SplitModulelist``; on
-save the rules run backwards (``MergeModulelist`` + ``Concatenate``), so that layout is written back.
+One recipe ``<model_type>-linear-experts`` loads both checkpoint layouts, and saves the one it loaded (the rules
+carry alternative :class:`~modelpatch.conversion.Layout` s of one group, see :mod:`modelpatch.conversion.rules`):
+
+* per-expert (``"per-expert"``, the default: the Hub layout, Transformers' default ``save_pretrained``): the
+  tensors load directly into the expert linears; the family's built-in renamings (Mixtral's ``block_sparse_moe``
+  -> ``mlp``) are kept, the built-in fusion is dropped (``overwrite=True``);
+* fused (``"fused"``, ``save_pretrained(..., save_original_format=False)``): ``experts.gate_up_proj`` is transposed
+  back if the class stores it transposed (:class:`~modelpatch.conversion.SwapDims`), split into gate and up
+  (``Chunk(dim=1)``, or :class:`~modelpatch.conversion.Deinterleave` for alternating columns) and per expert
+  (``SplitModulelist(dim=0)``); ``down_proj`` and the biases likewise. On save the rules run backwards.
+
+A model built from a config (nothing loaded) saves the per-expert layout.
 
 ``forward(hidden_states (N, H), top_k_index (N, k) long, top_k_weights (N, k)) -> (N, H)`` follows the original
-loop (experts visited in index order, the index ``E`` used as padding is skipped), so outputs equal the fused
-original within fp32 rounding.
+loop (experts visited in index order, the index ``E`` used as padding is skipped, ``index_add_``), so outputs equal
+the fused original within fp32 rounding.
 
 Under ``torch.compile`` the forward takes one of two formulations, chosen by the instance attribute
 ``compiled_dispatch`` (class default ``"sparse"``); both call every expert's own ``nn.Linear`` modules (hooks,
@@ -43,114 +58,385 @@ gradients within 1e-5):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+import functools
+import importlib
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 
-from ..conversion import Chunk, SplitModulelist, WeightConverter, WeightRenaming
-from ..errors import ModelpatchValueError
+from ..conversion import (
+    Chunk,
+    Deinterleave,
+    Layout,
+    LayoutWeightConverter,
+    LayoutWeightRenaming,
+    SplitModulelist,
+    SwapDims,
+)
+from ..conversion.rules import as_modelpatch_rule
+from ..errors import ModelpatchError, ModelpatchValueError
 from .base import Recipe, RuleSpec
 
 __all__ = [
+    "ExpertsClass",
     "ExpertsFamily",
     "ExpertMLP",
     "LinearExperts",
     "LINEAR_EXPERTS_CLASSES",
     "COMPILED_DISPATCHES",
+    "UnsupportedExpertsError",
+    "experts_family",
+    "experts_model_types",
+    "linear_experts_class",
     "linear_experts_recipe",
-    "FAMILIES",
+    "generic_linear_experts_recipe",
 ]
+
+
+class UnsupportedExpertsError(ModelpatchError, ValueError):
+    """The experts class (or the model type) cannot get per-expert linear experts; the message says why."""
+
+
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+_DEFAULT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+_DEFAULT_FLAGS["has_post_expert_norm"] = False
+_DECORATED = re.compile(r"^@use_experts_implementation(?:\((.*?)\))?\s*\nclass (\w+)\(", re.M | re.S)
+_FLAG = re.compile(r"(\w+)\s*=\s*(True|False)")
+
+
+@dataclass(frozen=True)
+class ExpertsClass:
+    """A class decorated with ``@use_experts_implementation``, as its module's source declares it.
+
+    Attributes:
+        module: the modeling module (``"transformers.models.mixtral.modeling_mixtral"``).
+        name: the class name (``"MixtralExperts"``).
+        flags: the decorator's arguments, defaults filled in (``has_gate``, ``has_bias``, ``is_transposed``,
+            ``is_concatenated``, ``has_post_expert_norm``).
+    """
+
+    module: str
+    name: str
+    flags: Mapping[str, bool] = field(default_factory=lambda: dict(_DEFAULT_FLAGS))
+
+    def load(self) -> type:
+        """The class itself (imports its modeling module)."""
+        return getattr(importlib.import_module(self.module), self.name)
 
 
 @dataclass(frozen=True)
 class ExpertsFamily:
-    """What differs between the fused-experts classes.
+    """What the recipe of one ``model_type`` is derived from.
 
     Attributes:
         model_type: ``config.model_type`` (conversion registry name).
-        original: class name replaced (``"MixtralExperts"``).
-        num_experts: config attribute holding ``E``; intermediate: config attribute holding ``I``.
-        names: attribute names of (gate, up, down) in each expert, as in the family's checkpoints.
-        renamings: ``(source, target)`` checkpoint renamings the family's built-in rules also do.
+        original: the first decorated class of its modeling module (``"MixtralExperts"``).
+        names: per-expert linear names, as in the family's per-expert checkpoints: ``(gate, up, down)``, or
+            ``(up, down)`` without gate.
+        classes: every decorated class of the modeling module (composite models may have several).
+        unsupported: why the family cannot be supported (``None`` when it can).
     """
 
     model_type: str
     original: str
-    num_experts: str
-    intermediate: str
-    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    renamings: tuple[tuple[str, str], ...] = ()
+    names: tuple[str, ...]
+    classes: tuple[ExpertsClass, ...]
+    unsupported: str | None = None
+
+    @property
+    def flags(self) -> Mapping[str, bool]:
+        return self.classes[0].flags
 
 
-FAMILIES = (
-    ExpertsFamily("qwen2_moe", "Qwen2MoeExperts", "num_experts", "moe_intermediate_size"),
-    ExpertsFamily("qwen3_moe", "Qwen3MoeExperts", "num_experts", "moe_intermediate_size"),
-    ExpertsFamily(
-        "mixtral",
-        "MixtralExperts",
-        "num_local_experts",
-        "intermediate_size",
-        ("w1", "w3", "w2"),
-        (("block_sparse_moe", "mlp"),),
-    ),
-    ExpertsFamily("olmoe", "OlmoeExperts", "num_local_experts", "intermediate_size"),
-    ExpertsFamily("deepseek_v3", "DeepseekV3Experts", "num_local_experts", "moe_intermediate_size"),
-)
+def _module_name(model_type: str) -> str | None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    return model_type_to_module_name(model_type)
+
+
+def _models_dir() -> Path:
+    import transformers
+
+    return Path(transformers.__file__).parent / "models"
+
+
+@functools.cache
+def _classes_in(folder: str) -> tuple[ExpertsClass, ...]:
+    """The decorated classes of ``transformers/models/<folder>/modeling_<folder>.py`` (read as text)."""
+    path = _models_dir() / folder / f"modeling_{folder}.py"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return ()
+    if "@use_experts_implementation" not in text:
+        return ()
+    found = []
+    for match in _DECORATED.finditer(text):
+        flags = dict(_DEFAULT_FLAGS)
+        flags.update({k: v == "True" for k, v in _FLAG.findall(match.group(1) or "") if k in _FLAGS})
+        found.append(ExpertsClass(f"transformers.models.{folder}.modeling_{folder}", match.group(2), flags))
+    return tuple(found)
+
+
+@functools.cache
+def experts_model_types() -> tuple[str, ...]:
+    """Every ``model_type`` of the installed Transformers whose modeling module declares a class decorated with
+    ``@use_experts_implementation`` (from the modules' source text; nothing is imported). Sorted."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return tuple(mt for mt in sorted(CONFIG_MAPPING_NAMES) if _classes_in(_module_name(mt) or ""))
+
+
+_EXPERT_TARGET = re.compile(r"experts\.(gate_up_proj|up_proj|down_proj)$")
+_PER_EXPERT_SOURCE = re.compile(r"experts\.\*\.(\w+)\.weight$")
+
+
+def _unescape(pattern: str) -> str:
+    return pattern.removeprefix("^").replace("\\.", ".")
+
+
+def _builtin_rules(model_type: str) -> list:
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return list(get_checkpoint_conversion_mapping(model_type) or [])
+
+
+def _split_builtins(model_type: str) -> tuple[dict[str, list[str]], list, str | None]:
+    """Transformers' rules of ``model_type``: ``({fused name: per-expert names}, other rules, why unsupported)``."""
+    from transformers import core_model_loading as _tcml
+
+    names: dict[str, list[str]] = {}
+    others = []
+    for rule in _builtin_rules(model_type):
+        targets = [_unescape(t) for t in rule._original_target_patterns]
+        fused = [m.group(1) for t in targets if (m := _EXPERT_TARGET.search(t))]
+        if not fused or not isinstance(rule, _tcml.WeightConverter):
+            others.append(rule)
+            continue
+        ops = [type(op).__name__ for op in rule.operations]
+        sources = [_PER_EXPERT_SOURCE.search(_unescape(s)) for s in rule._original_source_patterns]
+        standard = (["MergeModulelist", "Concatenate"], 2) if fused[0] == "gate_up_proj" else (["MergeModulelist"], 1)
+        if (ops, len(sources)) != standard or not all(sources):
+            return (
+                {},
+                others,
+                (
+                    f"Transformers converts its checkpoints' experts with {ops} "
+                    f"({rule._original_source_patterns} -> {rule._original_target_patterns}), not from per-expert tensors"
+                ),
+            )
+        names[fused[0]] = [m.group(1) for m in sources if m]
+    return names, others, None
+
+
+@functools.cache
+def experts_family(model_type: str) -> ExpertsFamily:
+    """The :class:`ExpertsFamily` of ``model_type`` (from source text and Transformers' conversion mapping).
+
+    Raises:
+        UnsupportedExpertsError: ``model_type`` has no class decorated with ``@use_experts_implementation``.
+    """
+    classes = _classes_in(_module_name(model_type) or "")
+    if not classes:
+        raise UnsupportedExpertsError(
+            f"model type {model_type!r} has no experts class decorated with @use_experts_implementation in this "
+            "Transformers release"
+        )
+    fused, _, why = _split_builtins(model_type)
+    gated = {c.flags["has_gate"] for c in classes}
+    if len(gated) > 1:
+        why = why or "its experts classes differ in has_gate"
+    if True in gated:
+        gate_up = fused.get("gate_up_proj", ["gate_proj", "up_proj"])
+        names: tuple[str, ...] = (*gate_up, fused.get("down_proj", ["down_proj"])[0])
+    else:
+        names = (fused.get("up_proj", ["up_proj"])[0], fused.get("down_proj", ["down_proj"])[0])
+    norm = [c.name for c in classes if c.flags["has_post_expert_norm"]]
+    if norm and not why:
+        why = (
+            f"{norm[0]} has a post-expert norm (one parameterised module shared by all experts, applied to each "
+            "expert's output), which a ModuleList of per-expert linears has no place for"
+        )
+    return ExpertsFamily(model_type, classes[0].name, names, classes, why)
 
 
 class ExpertMLP(nn.Module):
-    """One expert: ``down(act(gate(x)) * up(x))``; ``x (n, H) -> (n, H)``. Linear names follow the family."""
+    """One expert: ``down(gating(gate(x), up(x)))`` (``down(act(up(x)))`` without gate); ``x (n, H) -> (n, H)``.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, names: tuple[str, str, str]):
+    Linear names follow the family (``names``: ``(gate, up, down)`` or ``(up, down)``). ``gating`` is the
+    original class's ``_apply_gate`` applied to ``gate`` and ``up`` laid out as the fused tensor has them
+    (concatenated, or alternating when ``interleaved``) with this module as ``self`` (it carries the attributes the
+    function reads, ``attributes``); ``None`` is the default ``act_fn(gate) * up``. ``act``: an ``ACT2FN`` name or
+    an activation module / function.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: Any,
+        names: tuple[str, ...],
+        *,
+        bias: bool = False,
+        gating: Callable | None = None,
+        interleaved: bool = False,
+        attributes: Mapping[str, Any] | None = None,
+    ):
         super().__init__()
-        self.names = names
-        gate, up, down = names
-        setattr(self, gate, nn.Linear(hidden_size, intermediate_size, bias=False))
-        setattr(self, up, nn.Linear(hidden_size, intermediate_size, bias=False))
-        setattr(self, down, nn.Linear(intermediate_size, hidden_size, bias=False))
-        self.act_fn = ACT2FN[act]
+        self.names = tuple(names)
+        self.has_gate = len(self.names) == 3
+        *inputs, down = self.names
+        for name in inputs:
+            setattr(self, name, nn.Linear(hidden_size, intermediate_size, bias=bias))
+        setattr(self, down, nn.Linear(intermediate_size, hidden_size, bias=bias))
+        self.act_fn = ACT2FN[act] if isinstance(act, str) else act
+        self._gating = gating
+        self.interleaved = interleaved
+        for key, value in (attributes or {}).items():
+            if not hasattr(self, key):
+                setattr(self, key, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.has_gate:
+            up, down = (getattr(self, name) for name in self.names)
+            return down(self.act_fn(up(x)))
         gate, up, down = (getattr(self, name) for name in self.names)
-        return down(self.act_fn(gate(x)) * up(x))
+        if self._gating is None:
+            return down(self.act_fn(gate(x)) * up(x))
+        g, u = gate(x), up(x)
+        fused = torch.stack((g, u), dim=-1).flatten(-2) if self.interleaved else torch.cat((g, u), dim=-1)
+        return down(self._gating(self, fused))
 
 
 COMPILED_DISPATCHES = ("sparse", "dense")
 """Values of :attr:`LinearExperts.compiled_dispatch` (see the module docstring)."""
 
+_SKIPPED_ATTRIBUTES = frozenset({"training", "config", "num_experts", *_FLAGS})
+
+
+def _reference(original: type, config, args, kwargs) -> nn.Module:
+    with torch.device("meta"):
+        return original(config, *args, **kwargs)
+
+
+def _derive(ref: nn.Module, cls_name: str) -> dict[str, Any]:
+    """Shapes, flags and gating of a meta instance of a decorated experts class.
+
+    Raises:
+        UnsupportedExpertsError: a post-expert norm, parameters other than the fused ones, or an activation with
+            parameters.
+    """
+    flags = {name: bool(getattr(ref, name, _DEFAULT_FLAGS[name])) for name in _FLAGS}
+    if flags["has_post_expert_norm"]:
+        raise UnsupportedExpertsError(
+            f"{cls_name}: a post-expert norm (one parameterised module shared by all experts) has no place in a "
+            "ModuleList of per-expert linears"
+        )
+    first = "gate_up_proj" if flags["has_gate"] else "up_proj"
+    expected = {first, "down_proj"} | ({f"{first}_bias", "down_proj_bias"} if flags["has_bias"] else set())
+    found = {name for name, _ in ref.named_parameters()} | {name for name, _ in ref.named_buffers()}
+    if found != expected:
+        raise UnsupportedExpertsError(
+            f"{cls_name}: parameters {sorted(found)}, expected exactly {sorted(expected)} (the fused experts "
+            "tensors of its @use_experts_implementation flags)"
+        )
+    up: torch.Tensor = getattr(ref, first)
+    down: torch.Tensor = ref.down_proj  # type: ignore[assignment]
+    if flags["is_transposed"]:
+        num, hidden, intermediate = up.shape[0], up.shape[1], down.shape[1]
+    else:
+        num, hidden, intermediate = up.shape[0], up.shape[2], down.shape[2]
+    act = getattr(ref, "act_fn", None)
+    if isinstance(act, nn.Module):
+        if any(True for _ in act.parameters()) or any(True for _ in act.buffers()):
+            raise UnsupportedExpertsError(f"{cls_name}: its activation {type(act).__name__} has parameters")
+    gating = getattr(type(ref), "_apply_gate", None)
+    if getattr(gating, "__name__", None) == "_default_apply_gate" or not flags["has_gate"]:
+        gating = None
+    attributes = {
+        k: v
+        for k, v in vars(ref).items()
+        if not k.startswith("_") and k not in _SKIPPED_ATTRIBUTES and isinstance(v, (int, float, bool, str))
+    }
+    return dict(
+        flags=flags, num=num, hidden=hidden, intermediate=intermediate, act=act, gating=gating, attributes=attributes
+    )
+
 
 class LinearExperts(nn.ModuleList):
-    """``E`` :class:`ExpertMLP` modules replacing a fused ``<Family>Experts``; built with its ``(config)``.
+    """``E`` :class:`ExpertMLP` modules replacing a fused experts class; built with its constructor arguments.
+
+    Subclasses (:func:`linear_experts_class`, one per original class) set ``family`` and ``original``; building one
+    builds the original on the ``meta`` device to read its flags, sizes and gating (no memory, no weights).
 
     ``compiled_dispatch`` (``"sparse"`` or ``"dense"``; set it on an instance to change one layer) chooses the
     formulation traced by ``torch.compile``; eager calls always run the sparse loop over the experts hit.
+
+    Raises (on construction):
+        UnsupportedExpertsError: the original class cannot be expressed with per-expert linears (the message says
+            why: a post-expert norm, other parameters, an activation with parameters).
     """
 
     family: ClassVar[ExpertsFamily]
+    original: ClassVar[ExpertsClass]
     compiled_dispatch: str = "sparse"
 
-    def __init__(self, config):
+    def __init__(self, config, *args, **kwargs):
         super().__init__()
-        family = self.family
-        self.num_experts = getattr(config, family.num_experts)
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = getattr(config, family.intermediate)
+        derived = _derive(_reference(self.original.load(), config, args, kwargs), self.original.name)
+        flags = derived["flags"]
+        names = self.family.names if flags["has_gate"] else self.family.names[-2:]
+        self.num_experts = derived["num"]
+        self.hidden_dim = derived["hidden"]
+        self.intermediate_dim = derived["intermediate"]
+        self.has_bias = flags["has_bias"]
+        act = derived["act"]
+        if act is None:
+            act = ACT2FN[config.hidden_act] if getattr(config, "hidden_act", None) else nn.Identity()
         for _ in range(self.num_experts):
-            self.append(ExpertMLP(self.hidden_dim, self.intermediate_dim, config.hidden_act, family.names))
+            self.append(
+                ExpertMLP(
+                    self.hidden_dim,
+                    self.intermediate_dim,
+                    act,  # one activation module (no parameters, checked) shared by the experts
+                    names,
+                    bias=flags["has_bias"],
+                    gating=derived["gating"],
+                    interleaved=not flags["is_concatenated"],
+                    attributes=derived["attributes"],
+                )
+            )
 
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
+    @staticmethod
+    def _routing(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        values = [*args, *kwargs.values()]
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        index = next((t for t in tensors if not t.is_floating_point()), None)
+        weights = next((t for t in tensors if t.is_floating_point()), None)
+        if index is None or weights is None or len(values) != 2:
+            raise ModelpatchValueError(
+                "linear experts take (hidden_states, top_k_index, top_k_weights), got "
+                f"{[type(v).__name__ for v in values]} after hidden_states"
+            )
+        return index, weights
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """``hidden_states (N, H)``, ``top_k_index (N, k)`` long (``E`` = no expert), ``top_k_weights (N, k)``
-        -> ``(N, H)`` in ``hidden_states.dtype``.
+        (positional or by the family's keyword names) -> ``(N, H)`` in ``hidden_states.dtype``.
 
         Raises:
             ModelpatchValueError: ``compiled_dispatch`` is not one of :data:`COMPILED_DISPATCHES` (under
-                ``torch.compile``).
+                ``torch.compile``), or the routing arguments are not an index and a weight tensor.
         """
+        top_k_index, top_k_weights = self._routing(args, kwargs)
         if torch.compiler.is_compiling():
             dispatch = self.compiled_dispatch
             if dispatch == "sparse":
@@ -197,59 +483,151 @@ class LinearExperts(nn.ModuleList):
         return final
 
 
-def _make_class(family: ExpertsFamily) -> type[LinearExperts]:
-    name = f"Linear{family.original}"
-    cls = type(
-        name,
-        (LinearExperts,),
-        {
-            "family": family,
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": f"Per-expert linear replacement of ``{family.original}``.",
-        },
-    )
-    globals()[name] = cls
-    return cls
+_CLASSES: dict[tuple[str, str], type[LinearExperts]] = {}
 
 
-LINEAR_EXPERTS_CLASSES: dict[str, type[LinearExperts]] = {f.model_type: _make_class(f) for f in FAMILIES}
-"""``{model_type: replacement class}`` (``LINEAR_EXPERTS_CLASSES["mixtral"].__name__ == "LinearMixtralExperts"``)."""
+def linear_experts_class(family: ExpertsFamily, original: ExpertsClass | None = None) -> type[LinearExperts]:
+    """The replacement class ``Linear<Original>`` of ``original`` (default: the family's first class), created
+    once per class and kept as an attribute of this module (so instances pickle)."""
+    original = original or family.classes[0]
+    key = (original.module, original.name)
+    if key not in _CLASSES:
+        name = f"Linear{original.name}"
+        cls = type(
+            name,
+            (LinearExperts,),
+            {
+                "family": family,
+                "original": original,
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"Per-expert linear replacement of ``{original.name}`` ({original.module}).",
+            },
+        )
+        globals()[name] = cls
+        _CLASSES[key] = cls
+    return _CLASSES[key]
 
 
-def _rules_factory(family: ExpertsFamily):
-    def rules() -> list:
-        return [WeightRenaming(source, target) for source, target in family.renamings]
+class _LinearExpertsClasses(Mapping):
+    """``{model_type: replacement class}`` for every model type with decorated experts, derived on access."""
 
+    def __getitem__(self, model_type: str) -> type[LinearExperts]:
+        try:
+            family = experts_family(model_type)
+        except UnsupportedExpertsError:
+            raise KeyError(model_type) from None
+        return linear_experts_class(family)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(experts_model_types())
+
+    def __len__(self) -> int:
+        return len(experts_model_types())
+
+    def __repr__(self) -> str:
+        return f"LINEAR_EXPERTS_CLASSES({len(self)} model types, derived on access)"
+
+
+LINEAR_EXPERTS_CLASSES: Mapping[str, type[LinearExperts]] = _LinearExpertsClasses()
+"""``{model_type: replacement class}`` (``LINEAR_EXPERTS_CLASSES["mixtral"].__name__ == "LinearMixtralExperts"``),
+derived when looked up."""
+
+
+def _conversion_rules(family: ExpertsFamily) -> list:
+    """The rules of ``family``: Transformers' other rules (renamings of the per-expert layout), then the fused
+    layout's converters (see the module docstring)."""
+    from transformers import core_model_loading as _tcml
+
+    group = f"{family.model_type}-experts"
+    per_expert, fused = Layout(group, "per-expert", default=True), Layout(group, "fused")
+    _, others, _ = _split_builtins(family.model_type)
+    rules: list = []
+    for rule in others:
+        if isinstance(rule, _tcml.PrefixChange):
+            continue  # a change of the base-model prefix, which Transformers applies itself
+        if type(rule) is _tcml.WeightRenaming:
+            sources, targets = list(rule._original_source_patterns), list(rule._original_target_patterns)
+            rules.append(LayoutWeightRenaming(sources, targets, layout=per_expert))
+        else:
+            rules.append(as_modelpatch_rule(rule))
+    flags = family.flags
+    swap = [SwapDims(1, 2)] if flags["is_transposed"] else []
+    split = Chunk(dim=1) if flags["is_concatenated"] else Deinterleave(dim=1)
+    suffixes = ["weight"] + (["bias"] if flags["has_bias"] else [])
+    if flags["has_gate"]:
+        gate, up, down = family.names
+        first, inputs, split_ops = "gate_up_proj", [gate, up], [split]
+    else:
+        up, down = family.names[-2:]
+        first, inputs, split_ops = "up_proj", [up], []
+    for suffix in suffixes:
+        fused_name = "" if suffix == "weight" else "_bias"
+        ops = (swap if suffix == "weight" else []) + split_ops + [SplitModulelist(dim=0)]
+        targets = [f"experts.*.{name}.{suffix}" for name in inputs]
+        rules.append(LayoutWeightConverter(f"experts.{first}{fused_name}", targets, ops, layout=fused))
+        down_ops = (swap if suffix == "weight" else []) + [SplitModulelist(dim=0)]
+        rules.append(
+            LayoutWeightConverter(
+                f"experts.down_proj{fused_name}", f"experts.*.{down}.{suffix}", down_ops, layout=fused
+            )
+        )
     return rules
 
 
-def _from_fused_factory(family: ExpertsFamily):
-    gate, up, down = family.names
-
-    def rules() -> list:
-        return [
-            WeightConverter(
-                "mlp.experts.gate_up_proj",
-                [f"mlp.experts.*.{gate}.weight", f"mlp.experts.*.{up}.weight"],
-                [Chunk(dim=1), SplitModulelist(dim=0)],
-            ),
-            WeightConverter("mlp.experts.down_proj", f"mlp.experts.*.{down}.weight", [SplitModulelist(dim=0)]),
-        ]
-
-    return rules
+def _check_supported(family: ExpertsFamily) -> None:
+    if family.unsupported:
+        raise UnsupportedExpertsError(f"no linear-experts recipe for {family.model_type!r}: {family.unsupported}")
 
 
-def linear_experts_recipe(family: ExpertsFamily, *, from_fused: bool = False) -> Recipe:
-    """The per-expert recipe of ``family`` for checkpoints with one tensor per expert (Hub layout), or with
-    ``from_fused=True`` for checkpoints in Transformers' fused layout."""
+def linear_experts_recipe(family: ExpertsFamily | str, *, from_fused: bool = False) -> Recipe:
+    """The per-expert recipe ``<model_type>-linear-experts`` of ``family`` (an :class:`ExpertsFamily` or a
+    ``model_type``): loads per-expert and fused checkpoints alike, saves the layout loaded.
+
+    ``from_fused`` is accepted for old code and changes nothing (the recipe loads both layouts).
+
+    Raises:
+        UnsupportedExpertsError: the model type has no decorated experts class, or it cannot be supported (the
+            message says why).
+    """
+    family = experts_family(family) if isinstance(family, str) else family
+    _check_supported(family)
+    mapping = {c.name: linear_experts_class(family, c) for c in family.classes}
+    names = "/".join(family.names)
     return Recipe(
-        name=f"{family.model_type}-linear-experts" + ("-from-fused" if from_fused else ""),
-        description=f"{family.original} -> ModuleList of per-expert nn.Linear ({'/'.join(family.names)})"
-        + (", from a fused-layout checkpoint" if from_fused else ""),
-        patch_mapping={family.original: LINEAR_EXPERTS_CLASSES[family.model_type]},
-        conversion={
-            family.model_type: RuleSpec((_from_fused_factory if from_fused else _rules_factory)(family), overwrite=True)
-        },
+        name=f"{family.model_type}-linear-experts",
+        description=f"{', '.join(mapping)} -> ModuleList of per-expert nn.Linear ({names}); per-expert or fused "
+        "checkpoints, saved in the layout loaded",
+        patch_mapping=mapping,
+        conversion={family.model_type: RuleSpec(functools.partial(_conversion_rules, family), overwrite=True)},
         model_types=(family.model_type,),
     )
+
+
+def generic_linear_experts_recipe() -> Recipe:
+    """``linear-experts``: the recipes of every supported model type at once (a model of any of them gets its
+    experts replaced and its rules). Derived from source text when called (no modeling module imported)."""
+    mapping: dict[str, type] = {}
+    conversion: dict[str, RuleSpec] = {}
+    types = []
+    for model_type in experts_model_types():
+        family = experts_family(model_type)
+        if family.unsupported:
+            continue
+        for c in family.classes:
+            mapping.setdefault(c.name, linear_experts_class(family, c))
+        conversion[model_type] = RuleSpec(functools.partial(_conversion_rules, family), overwrite=True)
+        types.append(model_type)
+    return Recipe(
+        name="linear-experts",
+        description="every @use_experts_implementation experts class -> ModuleList of per-expert nn.Linear",
+        patch_mapping=mapping,
+        conversion=conversion,
+        model_types=tuple(types),
+    )
+
+
+def __getattr__(name: str):
+    if name == "FAMILIES":  # derived when asked for: every model type with decorated experts
+        return tuple(experts_family(mt) for mt in experts_model_types())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""The "Linear experts support" table of README.md: every model type with a ``@use_experts_implementation`` experts
+class, measured with the installed Transformers (see tests/linear_experts_support.py).
+
+With one of the releases CI tests installed (the pinned one; .ci/run runs this file again on the second release),
+that release's column must equal the measured one. ``MODELPATCH_REGENERATE_TABLES=1`` (or ``python
+tests/linear_experts_support.py --write``) replaces the installed release's column and leaves the others.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+
+import pytest
+import torch
+import transformers
+
+from linear_experts_support import measure, parse, readme_table, render, write_readme_table
+from routing_coverage import ci_releases
+
+REGENERATE = os.environ.get("MODELPATCH_REGENERATE_TABLES") == "1" or os.environ.get("MODELPATCH_WRITE_DOCS") == "1"
+# model types of the issue that must stay supported on every release
+REQUIRED = ["qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss"]
+REQUIRED += ["granitemoe", "jamba", "minimax", "phimoe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "nemotron_h"]
+
+
+def test_table_is_canonical_and_has_a_column_per_ci_release():
+    table = readme_table()
+    columns = parse(table)
+    assert render(columns) == table
+    assert sorted(columns, key=lambda r: tuple(map(int, r.split(".")))) == ci_releases()
+    for release, rows in columns.items():
+        supported = {mt for mt, (ok, _, _) in rows.items() if ok}
+        assert set(REQUIRED) <= supported, release
+
+
+@pytest.mark.slow
+def test_linear_experts_support_table_is_current():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add overhead
+    try:
+        measured = measure()
+    finally:
+        torch.set_num_threads(threads)
+    installed = transformers.__version__
+    missing = [mt for mt in REQUIRED if mt in measured and not measured[mt][0]]
+    assert not missing, {mt: measured[mt][2] for mt in missing}
+    if REGENERATE:
+        write_readme_table(render({**parse(readme_table()), installed: measured}))
+    documented = parse(readme_table())
+    assert installed in documented, f"README.md's linear experts table has no column for transformers {installed}"
+    diff = "\n".join(
+        difflib.unified_diff(
+            render({installed: documented[installed]}).splitlines(),
+            render({installed: measured}).splitlines(),
+            f"README.md, column {installed}",
+            "measured",
+            lineterm="",
+            n=0,
+        )
+    )
+    assert documented[installed] == measured, (
+        f"The transformers {installed} column of the linear experts support table in README.md is stale: rerun "
+        f"with MODELPATCH_REGENERATE_TABLES=1 (or `python tests/linear_experts_support.py --write`) on "
+        f"transformers {installed}.\n{diff}"
+    )
