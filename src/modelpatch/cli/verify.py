@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..conversion.compose import settle_layouts
 from ..recipes import FULL_EXAMPLE, Recipe
 from .checkpoint import checkpoint_dir, checkpoint_keys, example_checkpoint, model_class, read_config
 from .errors import EXIT_FAILED_CHECK, CliError
@@ -241,13 +242,12 @@ def _unfired_rules(recipe: Recipe, model, rows) -> list[str]:
         if isinstance(module, PreTrainedModel):
             names |= {type(module).__name__, getattr(module.config, "model_type", None)}
     fired = {r.rule for r in rows if r.direction == "load"}
-    return [
-        _rule_text(rule)
-        for name, rules in recipe.build_conversion_rules().items()
-        if name in names
-        for rule in rules
-        if _rule_text(rule) not in fired
-    ]
+    rules = [rule for name, group in recipe.build_conversion_rules().items() if name in names for rule in group]
+    fired_ids = {id(rule) for rule in rules if _rule_text(rule) in fired}
+    # a rule of an alternative checkpoint layout (per-expert or fused experts) the checkpoint is not in is not
+    # expected to fire: only the rules of the layout the checkpoint has are
+    expected = settle_layouts(rules, {id(rule) for rule in rules}, fired_ids)
+    return [_rule_text(rule) for rule in rules if id(rule) in expected and id(rule) not in fired_ids]
 
 
 def _config_names(config) -> set[str]:
