@@ -121,3 +121,16 @@ def test_unsupported_families_name_the_reason():
     assert "muse_spark_text-linear-experts" not in get_recipe.__globals__["list_recipes"]()
     assert experts_family("mixtral").names == ("w1", "w3", "w2")  # from Transformers' conversion mapping
     assert experts_family("nemotron_h").names == ("up_proj", "down_proj")  # has_gate=False
+
+
+def test_a_class_shared_by_two_model_types_has_one_set_of_names_whichever_comes_first():
+    """minimax_m3_vl_text uses minimax_m3_vl's experts class and has no expert converter of its own: it took the
+    default names, and whichever type built the replacement class first decided the linears' names for both, so a
+    fused load failed after the generic recipe had been built (found by running the suite in another order)."""
+    import linear_experts_support as support
+
+    get_recipe("linear-experts")  # builds every family's class first, as the failing order did
+    text, composite = experts_family("minimax_m3_vl_text"), experts_family("minimax_m3_vl")
+    assert text.names == composite.names == ("w1", "w3", "w2")  # the composite's conversion mapping
+    assert LINEAR_EXPERTS_CLASSES["minimax_m3_vl_text"] is LINEAR_EXPERTS_CLASSES["minimax_m3_vl"]
+    assert support.check("minimax_m3_vl_text", "minimax_m3_vl_text") == (True, "MiniMaxM3VLExperts", "w1/w3/w2")

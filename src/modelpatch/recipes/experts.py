@@ -251,6 +251,12 @@ def experts_family(model_type: str) -> ExpertsFamily:
             "Transformers release"
         )
     fused, _, why = _split_builtins(model_type)
+    home = _module_name(model_type)
+    if home and home != model_type and not fused and _module_name(home) == home:
+        # a model type sharing another type's experts class (a composite's text model, minimax_m3_vl_text in
+        # minimax_m3_vl) with no expert converter of its own: the class's per-expert names are those of the type
+        # whose modeling file defines it, so one replacement class has one set of names whichever type asks first
+        fused = _split_builtins(home)[0]
     gated = {c.flags["has_gate"] for c in classes}
     if len(gated) > 1:
         why = why or "its experts classes differ in has_gate"
@@ -483,16 +489,18 @@ class LinearExperts(nn.ModuleList):
         return final
 
 
-_CLASSES: dict[tuple[str, str], type[LinearExperts]] = {}
+_CLASSES: dict[tuple[str, str, tuple[str, ...]], type[LinearExperts]] = {}
 
 
 def linear_experts_class(family: ExpertsFamily, original: ExpertsClass | None = None) -> type[LinearExperts]:
     """The replacement class ``Linear<Original>`` of ``original`` (default: the family's first class), created
     once per class and kept as an attribute of this module (so instances pickle)."""
     original = original or family.classes[0]
-    key = (original.module, original.name)
+    key = (original.module, original.name, family.names)
     if key not in _CLASSES:
         name = f"Linear{original.name}"
+        if any(other[:2] == key[:2] for other in _CLASSES):  # another type names this class's linears otherwise
+            name = f"{name}_{family.model_type}"
         cls = type(
             name,
             (LinearExperts,),
@@ -607,13 +615,15 @@ def linear_experts_recipe(family: ExpertsFamily | str, *, from_fused: bool = Fal
 def generic_linear_experts_recipe() -> Recipe:
     """``linear-experts``: the recipes of every supported model type at once (a model of any of them gets its
     experts replaced and its rules). Derived from source text when called (no modeling module imported)."""
-    mapping: dict[str, type] = {}
+    mapping: dict[str, type[LinearExperts]] = {}
     conversion: dict[str, RuleSpec] = {}
     types = []
     for model_type in experts_model_types():
         family = experts_family(model_type)
         if family.unsupported:
             continue
+        if any(c.name in mapping and mapping[c.name].family.names != family.names for c in family.classes):
+            continue  # its class is replaced by name for another type that names the linears otherwise: own recipe
         for c in family.classes:
             mapping.setdefault(c.name, linear_experts_class(family, c))
         conversion[model_type] = RuleSpec(functools.partial(_conversion_rules, family), overwrite=True)
