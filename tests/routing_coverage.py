@@ -8,6 +8,7 @@ releases' columns stay as they are).
 
 from __future__ import annotations
 
+import difflib
 import re
 import sys
 import warnings
@@ -120,6 +121,27 @@ def with_release(table: str, release: str, rows: Rows) -> str:
     """``table`` with the column of ``release`` replaced by (or extended with) ``rows``; the other releases'
     columns stay as they are."""
     return render_table({**parse_table(table), release: rows})
+
+
+def stale_column(what: str, script: str, render, documented: Rows, measured: Rows, release: str) -> str | None:
+    """``None`` when the README column of ``release`` equals ``measured``; else the message (with the diff of the
+    two columns rendered by ``render``) saying how to regenerate it with ``script``."""
+    if documented == measured:
+        return None
+    diff = "\n".join(
+        difflib.unified_diff(
+            render({release: documented}).splitlines(),
+            render({release: measured}).splitlines(),
+            f"README.md, column {release}",
+            "measured",
+            lineterm="",
+            n=0,
+        )
+    )
+    return (
+        f"The transformers {release} column of the {what} table in README.md is stale: rerun with "
+        f"MODELPATCH_REGENERATE_TABLES=1 (or `python tests/{script} --write`) on transformers {release}.\n{diff}"
+    )
 
 
 def save_measured_table(release: str, rows: Rows) -> Path:

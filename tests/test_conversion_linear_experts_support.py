@@ -8,7 +8,6 @@ tests/linear_experts_support.py --write``) replaces the installed release's colu
 
 from __future__ import annotations
 
-import difflib
 import os
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import transformers
 
 from linear_experts_support import measure, parse, readme_table, render, write_readme_table
-from routing_coverage import ci_releases
+from routing_coverage import ci_releases, stale_column
 
 REGENERATE = os.environ.get("MODELPATCH_REGENERATE_TABLES") == "1" or os.environ.get("MODELPATCH_WRITE_DOCS") == "1"
 # model types of the issue that must stay supported on every release
@@ -49,18 +48,7 @@ def test_linear_experts_support_table_is_current():
         write_readme_table(render({**parse(readme_table()), installed: measured}))
     documented = parse(readme_table())
     assert installed in documented, f"README.md's linear experts table has no column for transformers {installed}"
-    diff = "\n".join(
-        difflib.unified_diff(
-            render({installed: documented[installed]}).splitlines(),
-            render({installed: measured}).splitlines(),
-            f"README.md, column {installed}",
-            "measured",
-            lineterm="",
-            n=0,
-        )
+    stale = stale_column(
+        "linear experts support", "linear_experts_support.py", render, documented[installed], measured, installed
     )
-    assert documented[installed] == measured, (
-        f"The transformers {installed} column of the linear experts support table in README.md is stale: rerun "
-        f"with MODELPATCH_REGENERATE_TABLES=1 (or `python tests/linear_experts_support.py --write`) on "
-        f"transformers {installed}.\n{diff}"
-    )
+    assert stale is None, stale

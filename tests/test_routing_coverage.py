@@ -14,7 +14,6 @@ one (adding the column for a release the table does not have yet) and leaves the
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import warnings
@@ -35,6 +34,7 @@ from routing_coverage import (
     readme_table,
     render_table,
     save_measured_table,
+    stale_column,
     with_release,
     write_readme_table,
 )
@@ -142,21 +142,10 @@ def test_support_table_is_current_and_required_families_supported():
         write_readme_table(with_release(readme_table(), installed, measured))
     documented = parse_table(readme_table())
     if installed in documented:
-        diff = "\n".join(
-            difflib.unified_diff(
-                render_table({installed: documented[installed]}).splitlines(),
-                render_table({installed: measured}).splitlines(),
-                f"README.md, column {installed}",
-                "measured",
-                lineterm="",
-                n=0,
-            )
+        stale = stale_column(
+            "routing support", "routing_coverage.py", render_table, documented[installed], measured, installed
         )
-        assert documented[installed] == measured, (
-            f"The transformers {installed} column of the routing support table in README.md is stale: rerun with "
-            f"MODELPATCH_REGENERATE_TABLES=1 (or `python tests/routing_coverage.py --write`) on transformers "
-            f"{installed}.\n{diff}"
-        )
+        assert stale is None, stale
         return
     # a release CI does not test: what the newest documented release supports must stay supported
     newest = max(documented, key=lambda r: tuple(map(int, r.split("."))))
