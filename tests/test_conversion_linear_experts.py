@@ -134,3 +134,18 @@ def test_a_class_shared_by_two_model_types_has_one_set_of_names_whichever_comes_
     assert text.names == composite.names == ("w1", "w3", "w2")  # the composite's conversion mapping
     assert LINEAR_EXPERTS_CLASSES["minimax_m3_vl_text"] is LINEAR_EXPERTS_CLASSES["minimax_m3_vl"]
     assert support.check("minimax_m3_vl_text", "minimax_m3_vl_text") == (True, "MiniMaxM3VLExperts", "w1/w3/w2")
+
+
+def test_built_from_config_saves_what_plain_transformers_loads_for_fused_only_families(tmp_path):
+    """gpt_oss has no per-expert Hub layout (Transformers saves and loads its experts fused): a model built inside
+    the recipe saved per-expert tensors, which plain Transformers loaded with random experts and only a load report
+    (logits 2.6e-2 off). The default layout of such a family is the fused one."""
+    torch.manual_seed(0)
+    with get_recipe("gpt_oss-linear-experts").apply():
+        built = _randomized(AutoModelForCausalLM.from_config(_gpt_oss_config()))
+    built.save_pretrained(tmp_path / "saved")
+    keys = set(load_file(tmp_path / "saved" / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in keys and not any(".experts.0." in k for k in keys)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    with torch.no_grad():
+        assert torch.equal(plain(IDS).logits, built(IDS).logits)

@@ -108,3 +108,11 @@ def test_missing_backend_names_the_extra_to_install():
         "--quantization absent-int8 needs modelpatch_absent_backend (No module named 'modelpatch_absent_backend'); "
         "install it with pip install 'modelpatch[absent]'"
     )
+
+
+def test_a_recipe_for_another_model_type_is_a_one_line_error(capsys):
+    """With no --model, verify used the built-in qwen2_moe checkpoint and failed "0 module(s) replaced" without
+    saying that the recipe is for qwen3_moe."""
+    code = main(["verify", "--recipe", "qwen3_moe-linear-experts", "--quantization", "torchao-int8", "--no-progress"])
+    assert code == 2
+    assert "recipe qwen3_moe-linear-experts is for model type(s) qwen3_moe" in capsys.readouterr().err

@@ -472,6 +472,13 @@ def main(args: argparse.Namespace) -> int:
             checkpoint_dir(args.model)  # a missing folder is named before a missing --recipe
         recipe = resolve_patches(args.recipe, args.patches)
         model_dir = args.model if args.model is not None else example_checkpoint()
+        example_types = set(FULL_EXAMPLE.model_types)
+        if args.model is None and recipe.model_types and not example_types & set(recipe.model_types):
+            raise CliError(
+                f"recipe {recipe.name} is for model type(s) {', '.join(recipe.model_types[:8])}"
+                f"{' ...' if len(recipe.model_types) > 8 else ''}, and without --model verify runs the built-in "
+                f"{', '.join(sorted(example_types))} example: pass --model with a checkpoint of the recipe's model type"
+            )
     source_args = f"--patches {args.patches}" if args.patches is not None else f"--recipe {recipe.name}"
     result = run_verify(
         model_dir,

@@ -141,6 +141,9 @@ class ExpertsFamily:
             ``(up, down)`` without gate.
         classes: every decorated class of the modeling module (composite models may have several).
         unsupported: why the family cannot be supported (``None`` when it can).
+        per_expert_checkpoints: Transformers' conversion mapping of the type has an expert converter, i.e. its
+            ``save_pretrained`` writes one tensor per expert (the Hub layout); ``False`` (gpt_oss, granitemoe):
+            its checkpoints keep the fused tensors, the layout a model built from a config saves.
     """
 
     model_type: str
@@ -148,6 +151,7 @@ class ExpertsFamily:
     names: tuple[str, ...]
     classes: tuple[ExpertsClass, ...]
     unsupported: str | None = None
+    per_expert_checkpoints: bool = True
 
     @property
     def flags(self) -> Mapping[str, bool]:
@@ -251,6 +255,7 @@ def experts_family(model_type: str) -> ExpertsFamily:
             "Transformers release"
         )
     fused, _, why = _split_builtins(model_type)
+    own_converter = bool(fused)
     home = _module_name(model_type)
     if home and home != model_type and not fused and _module_name(home) == home:
         # a model type sharing another type's experts class (a composite's text model, minimax_m3_vl_text in
@@ -271,7 +276,7 @@ def experts_family(model_type: str) -> ExpertsFamily:
             f"{norm[0]} has a post-expert norm (one parameterised module shared by all experts, applied to each "
             "expert's output), which a ModuleList of per-expert linears has no place for"
         )
-    return ExpertsFamily(model_type, classes[0].name, names, classes, why)
+    return ExpertsFamily(model_type, classes[0].name, names, classes, why, per_expert_checkpoints=own_converter)
 
 
 class ExpertMLP(nn.Module):
@@ -548,7 +553,10 @@ def _conversion_rules(family: ExpertsFamily) -> list:
     from transformers import core_model_loading as _tcml
 
     group = f"{family.model_type}-experts"
-    per_expert, fused = Layout(group, "per-expert", default=True), Layout(group, "fused")
+    # the default layout (saved by a model built from a config, or loaded from neither layout) is the one
+    # Transformers' own save_pretrained writes for the type, so plain Transformers loads it
+    hub = family.per_expert_checkpoints
+    per_expert, fused = Layout(group, "per-expert", default=hub), Layout(group, "fused", default=not hub)
     _, others, _ = _split_builtins(family.model_type)
     rules: list = []
     for rule in others:
