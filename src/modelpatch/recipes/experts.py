@@ -141,9 +141,10 @@ class ExpertsFamily:
             ``(up, down)`` without gate.
         classes: every decorated class of the modeling module (composite models may have several).
         unsupported: why the family cannot be supported (``None`` when it can).
-        per_expert_checkpoints: Transformers' conversion mapping of the type has an expert converter, i.e. its
-            ``save_pretrained`` writes one tensor per expert (the Hub layout); ``False`` (gpt_oss, granitemoe):
-            its checkpoints keep the fused tensors, the layout a model built from a config saves.
+        per_expert_checkpoints: Transformers' conversion mapping of the type (or of the type whose modeling file
+            defines the class) has an expert converter, i.e. its ``save_pretrained`` writes one tensor per expert
+            (the Hub layout); ``False`` (gpt_oss, granitemoe): its checkpoints keep the fused tensors, the layout a
+            model built from a config saves.
     """
 
     model_type: str
@@ -242,6 +243,22 @@ def _split_builtins(model_type: str) -> tuple[dict[str, list[str]], list, str | 
 
 
 @functools.cache
+@functools.cache
+def _class_keyed_expert_converter(folder: str) -> bool:
+    """Whether Transformers has an expert converter registered under the name of a class of ``folder``'s modeling
+    file (Transformers looks class names up before the model type: ``Dots3NoteTextModel``), i.e. that type's
+    ``save_pretrained`` writes per-expert tensors although its model type has no converter."""
+    import transformers.conversion_mapping as cm
+
+    cm.get_checkpoint_conversion_mapping("")  # builds the table
+    table = getattr(cm, "_checkpoint_conversion_mapping_cache", None) or {}
+    path = _models_dir() / folder / f"modeling_{folder}.py"
+    if not folder or not path.is_file():
+        return False
+    text = path.read_text(encoding="utf-8")
+    return any(key[:1].isupper() and f"class {key}(" in text and _split_builtins(key)[0] for key in table)
+
+
 def experts_family(model_type: str) -> ExpertsFamily:
     """The :class:`ExpertsFamily` of ``model_type`` (from source text and Transformers' conversion mapping).
 
@@ -255,7 +272,6 @@ def experts_family(model_type: str) -> ExpertsFamily:
             "Transformers release"
         )
     fused, _, why = _split_builtins(model_type)
-    own_converter = bool(fused)
     home = _module_name(model_type)
     if home and home != model_type and not fused and _module_name(home) == home:
         # a model type sharing another type's experts class (a composite's text model, minimax_m3_vl_text in
@@ -276,7 +292,14 @@ def experts_family(model_type: str) -> ExpertsFamily:
             f"{norm[0]} has a post-expert norm (one parameterised module shared by all experts, applied to each "
             "expert's output), which a ModuleList of per-expert linears has no place for"
         )
-    return ExpertsFamily(model_type, classes[0].name, names, classes, why, per_expert_checkpoints=own_converter)
+    return ExpertsFamily(
+        model_type,
+        classes[0].name,
+        names,
+        classes,
+        why,
+        per_expert_checkpoints=bool(fused) or _class_keyed_expert_converter(home or ""),
+    )
 
 
 class ExpertMLP(nn.Module):
