@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from modelpatch import iter_original_state_dict
-from modelpatch.conversion import QuantizedSaveError
+from modelpatch.conversion import ConversionError, QuantizedSaveError
 from modelpatch.errors import ModelpatchError
 from modelpatch.recipes import get_recipe, list_recipes
 from quantization_support import IDS, checkpoint, quantization_config, save_checkpoint
@@ -230,3 +230,24 @@ def test_pre_quantized_bnb_4bit_components_refuse_conversion(checkpoints, tmp_pa
     load(checkpoints["llama-fused-qkv"], None, "bnb-4bit").save_pretrained(tmp_path / "plain")
     with pytest.raises(ModelpatchError, match=r"bitsandbytes 4-bit component .* Nothing was loaded"):
         load(tmp_path / "plain", "llama-fused-qkv")
+
+
+@pytest.mark.parametrize("quantizer", ROW_EXACT)
+def test_plain_pre_quantized_moe_checkpoint_in_a_recipe_is_not_silent(checkpoints, tmp_path, quantizer, caplog):
+    """A checkpoint plain Transformers quantized keeps the fused experts in full precision. Loaded with the
+    linear-experts recipe, bitsandbytes built 8-bit expert layers over float weights that failed at the first
+    forward ("'Parameter' object has no attribute 'CB'"), and torchao left 24 of 24 experts unquantized without a
+    word (found by a fresh-user trial)."""
+    recipe = "qwen3_moe-linear-experts"
+    plain = load(checkpoints[recipe], None, quantizer)
+    plain.save_pretrained(tmp_path / "plain")
+    if quantizer == "bnb-8bit":
+        with pytest.raises(ConversionError, match=r"bitsandbytes layer\(s\) got unquantized weights.*experts"):
+            load(tmp_path / "plain", recipe)
+        return
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        model = load(tmp_path / "plain", recipe)
+    assert "24 expert Linear layer(s) stay in full precision" in caplog.text
+    assert "model.layers.*.mlp.experts.*.gate_proj" in caplog.text
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, plain(IDS).logits)

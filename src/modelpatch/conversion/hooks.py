@@ -30,7 +30,7 @@ from transformers import modeling_utils as _mu
 from ..patching.scopes import active_scopes
 from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
 from .loading import convert_and_load
-from .quantized import quantizer_label, warn_fused_experts_left
+from .quantized import check_prequantized_layers, quantizer_label, warn_fused_experts_left
 from .registry import set_hooks_installed
 from .saving import revert_to_original_layout
 from .state import get_state
@@ -61,6 +61,8 @@ def _load(model, state_dict, load_config, disk_offload_index=None):
     quantizer = load_config.hf_quantizer
     if quantizer is not None and not quantizer.pre_quantized and (resolved is not None or active_scopes()):
         warn_fused_experts_left(model, quantizer_label(quantizer))  # a recipe was meant to make them quantizable
+    if quantizer is not None and quantizer.pre_quantized and (resolved is not None or active_scopes()):
+        check_prequantized_layers(model, quantizer_label(quantizer))
     return result
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "fix_prequantized_metadata",
     "fused_experts_left_unquantized",
     "warn_fused_experts_left",
+    "check_prequantized_layers",
 ]
 
 logger = logging.get_logger("modelpatch.conversion")
@@ -383,3 +384,49 @@ def warn_fused_experts_left(model, label: str) -> bool:
         "recipe (or 'linear-experts') to quantize every expert."
     )
     return True
+
+
+# --- pre-quantized loads whose checkpoint holds some layers unquantized -------------------------------------------
+
+_BNB_LAYERS = {"Linear8bitLt": "Int8Params", "Linear4bit": "Params4bit"}
+
+
+def check_prequantized_layers(model, label: str) -> None:
+    """After a pre-quantized load inside a modelpatch scope: the checkpoint may hold layers unquantized that the
+    patched model has as ``nn.Linear`` (a MoE checkpoint that plain Transformers quantized with its experts fused,
+    so left in full precision, loaded with a linear-experts recipe).
+
+    Raises:
+        ConversionError: bitsandbytes layers hold float weights from the checkpoint (their forward would fail on the
+            missing quantization state): the first layers are named.
+
+    Logs a warning naming the per-expert ``nn.Linear`` weights that stay in full precision (torchao and the other
+    quantizers that only deserialize what the checkpoint quantized).
+    """
+    broken, full = [], []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        expected = _BNB_LAYERS.get(type(module).__name__)
+        if expected is not None and weight is not None and type(weight).__name__ != expected:
+            broken.append(name)
+        elif (
+            isinstance(module, torch.nn.Linear)
+            and ".experts." in name
+            and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        ):
+            if weight is not None and weight.is_floating_point():
+                full.append(name)
+    if broken:
+        raise ConversionError(
+            f"{type(model).__name__} loaded with {label}: {len(broken)} bitsandbytes layer(s) got unquantized weights "
+            f"from the pre-quantized checkpoint (e.g. {broken[:3]}); it did not quantize them (a checkpoint that "
+            "plain Transformers quantized keeps fused experts in full precision). Load the full-precision "
+            "checkpoint with quantization_config inside the recipe instead."
+        )
+    if full:
+        patterns = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in full))
+        logger.warning(
+            f"{type(model).__name__} loaded with {label}: {len(full)} expert Linear layer(s) stay in full precision, "
+            f"the pre-quantized checkpoint holds them unquantized: {', '.join(patterns[:6])}. Load the full-precision "
+            "checkpoint with quantization_config inside the recipe to quantize them."
+        )
