@@ -205,7 +205,10 @@ def run_quantized(
             fails (its message).
     """
     quantization, config = quantization_config(name)
-    result = QuantizedResult(name, atol=quantization.atol)
+    # in bfloat16/float16 the activations' own rounding adds to the quantizer's error (torchao int8 on a tiny
+    # qwen3_moe in bfloat16: 0.0625 with every expert quantized, against 0.0052 in float32): twice the budget
+    atol = quantization.atol * (1 if dtype in (None, torch.float32) else 2)
+    result = QuantizedResult(name, atol=atol)
     try:
         with recipe.apply():
             model = cls.from_pretrained(model_dir, dtype=dtype, quantization_config=config).eval()
