@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..conversion.quantized import QuantizedSaveError, fused_experts_left_unquantized
+from ..conversion.quantized import BNB_LAYERS, QuantizedSaveError, fused_experts_left_unquantized, is_quantized
 from .errors import CliError
 
 __all__ = [
@@ -105,21 +105,12 @@ def quantization_config(name: str, known: dict[str, Quantization] | None = None)
     return quantization, quantization.build()
 
 
-def is_quantized(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s ``weight`` is held quantized (a tensor subclass or parameter class of a quantizer, or
-    integer data), i.e. not a plain floating-point tensor."""
-    weight = getattr(module, "weight", None)
-    if weight is None:
-        return False
-    return type(weight) not in (torch.Tensor, torch.nn.Parameter) or not weight.is_floating_point()
-
-
 def dequantized_weight(module: torch.nn.Module) -> torch.Tensor:
     """``module.weight`` as a float32 ``(out, in)`` tensor: torchao and quanto tensors' ``dequantize()``,
     bitsandbytes' ``dequantize_bnb_weight``; a full-precision weight as it is."""
     weight: Any = module.weight
     kind = type(weight).__name__
-    if kind in ("Int8Params", "Params4bit"):
+    if kind in BNB_LAYERS.values():
         from transformers.integrations.bitsandbytes import dequantize_bnb_weight
 
         return dequantize_bnb_weight(weight, getattr(module, "state", None)).float()
@@ -129,7 +120,7 @@ def dequantized_weight(module: torch.nn.Module) -> torch.Tensor:
 
 
 def _linear_like(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.Linear) or type(module).__name__ in ("QLinear", "Linear8bitLt", "Linear4bit")
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ in ("QLinear", *BNB_LAYERS)
 
 
 @dataclass

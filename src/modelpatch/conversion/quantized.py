@@ -53,6 +53,8 @@ __all__ = [
     "fused_experts_left_unquantized",
     "warn_fused_experts_left",
     "check_prequantized_layers",
+    "is_quantized",
+    "BNB_LAYERS",
 ]
 
 logger = logging.get_logger("modelpatch.conversion")
@@ -388,7 +390,17 @@ def warn_fused_experts_left(model, label: str) -> bool:
 
 # --- pre-quantized loads whose checkpoint holds some layers unquantized -------------------------------------------
 
-_BNB_LAYERS = {"Linear8bitLt": "Int8Params", "Linear4bit": "Params4bit"}
+BNB_LAYERS = {"Linear8bitLt": "Int8Params", "Linear4bit": "Params4bit"}
+"""bitsandbytes layer class names and the parameter class each holds its quantized weight in."""
+
+
+def is_quantized(module) -> bool:
+    """Whether ``module``'s ``weight`` is held quantized (a tensor subclass or parameter class of a quantizer, or
+    integer data), i.e. not a plain floating-point tensor."""
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return False
+    return type(weight) not in (torch.Tensor, torch.nn.Parameter) or not weight.is_floating_point()
 
 
 def check_prequantized_layers(model, label: str) -> None:
@@ -406,16 +418,11 @@ def check_prequantized_layers(model, label: str) -> None:
     broken, full = [], []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        expected = _BNB_LAYERS.get(type(module).__name__)
+        expected = BNB_LAYERS.get(type(module).__name__)
         if expected is not None and weight is not None and type(weight).__name__ != expected:
             broken.append(name)
-        elif (
-            isinstance(module, torch.nn.Linear)
-            and ".experts." in name
-            and type(weight) in (torch.Tensor, torch.nn.Parameter)
-        ):
-            if weight is not None and weight.is_floating_point():
-                full.append(name)
+        elif isinstance(module, torch.nn.Linear) and ".experts." in name and not is_quantized(module):
+            full.append(name)
     if broken:
         raise ConversionError(
             f"{type(model).__name__} loaded with {label}: {len(broken)} bitsandbytes layer(s) got unquantized weights "
