@@ -33,7 +33,10 @@ A model built from a config (nothing loaded) saves the per-expert layout.
 
 ``forward(hidden_states (N, H), top_k_index (N, k) long, top_k_weights (N, k)) -> (N, H)`` follows the original
 loop (experts visited in index order, the index ``E`` used as padding is skipped, ``index_add_``), so outputs equal
-the fused original within fp32 rounding.
+the fused original within fp32 rounding. Training steps the same parameters as the original: an expert no token
+reached gets a zero gradient, not ``None`` (while gradients are recorded, idle experts run on zero rows), as its
+slice of the fused tensor does, so SGD momentum, Adam moments and weight decay move it as they move the original,
+and ``DistributedDataParallel(find_unused_parameters=False)`` sees every parameter in every step.
 
 Under ``torch.compile`` the forward takes one of two formulations, chosen by the instance attribute
 ``compiled_dispatch`` (class default ``"sparse"``); both call every expert's own ``nn.Linear`` modules (hooks,
@@ -412,7 +415,13 @@ class LinearExperts(nn.ModuleList):
     builds the original on the ``meta`` device to read its flags, sizes and gating (no memory, no weights).
 
     ``compiled_dispatch`` (``"sparse"`` or ``"dense"``; set it on an instance to change one layer) chooses the
-    formulation traced by ``torch.compile``; eager calls always run the sparse loop over the experts hit.
+    formulation traced by ``torch.compile``; eager calls run the sparse loop over the experts hit, then, while
+    gradients are recorded, every other expert on no token, so that its parameters get a zero gradient (not
+    ``None``) as its slice of the fused original does: optimizers step it exactly as they step the original
+    (momentum and Adam moments decay, weight decay applies) and ``DistributedDataParallel`` with
+    ``find_unused_parameters=False`` sees every parameter used. ``skip_idle_experts = True`` (an explicit opt-out,
+    per instance) leaves idle experts out of the graph: their gradients stay ``None`` and optimizers skip them,
+    which the fused original never does.
 
     Raises (on construction):
         UnsupportedExpertsError: the original class cannot be expressed with per-expert linears (the message says
@@ -422,6 +431,7 @@ class LinearExperts(nn.ModuleList):
     family: ClassVar[ExpertsFamily]
     original: ClassVar[ExpertsClass]
     compiled_dispatch: str = "sparse"
+    skip_idle_experts: bool = False
 
     def __init__(self, config, *args, **kwargs):
         super().__init__()
@@ -484,12 +494,26 @@ class LinearExperts(nn.ModuleList):
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in hit[:, 0].tolist():
-            if expert_idx == self.num_experts:
-                continue
+        hit_experts = [e for e in hit[:, 0].tolist() if e != self.num_experts]
+        for expert_idx in hit_experts:
             top_k_pos, token_idx = torch.where(mask[expert_idx])
             out = self[expert_idx](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
+        if torch.is_grad_enabled() and not self.skip_idle_experts and len(hit_experts) < self.num_experts:
+            final = self._idle_experts(final, hidden_states, set(hit_experts))
+        return final
+
+    def _idle_experts(self, final: torch.Tensor, hidden_states: torch.Tensor, hit: set[int]) -> torch.Tensor:
+        """Each expert no token reached, applied to no token (``(0, H)`` rows) and added to ``final`` through an
+        empty ``index_add_``: its parameters join the autograd graph and end the backward pass with a zero gradient,
+        as that expert's slice of the fused original's parameters does (optimizers then step it: moments decay,
+        weight decay applies; DDP's reducer sees every parameter), as in the compiled loop. Experts whose parameters
+        are all frozen are skipped (they get no gradient either way)."""
+        none = hidden_states[:0]
+        empty = torch.zeros(0, dtype=torch.long, device=hidden_states.device)
+        for expert_idx, expert in enumerate(self):
+            if expert_idx not in hit and any(p.requires_grad for p in expert.parameters()):
+                final.index_add_(0, empty, expert(none).to(final.dtype))
         return final
 
     def _sparse_static(
