@@ -500,10 +500,10 @@ class LinearExperts(nn.ModuleList):
             out = self[expert_idx](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         if torch.is_grad_enabled() and not self.skip_idle_experts and len(hit_experts) < self.num_experts:
-            final = self._idle_experts(final, hidden_states, set(hit_experts))
+            self._idle_experts(final, hidden_states, set(hit_experts))
         return final
 
-    def _idle_experts(self, final: torch.Tensor, hidden_states: torch.Tensor, hit: set[int]) -> torch.Tensor:
+    def _idle_experts(self, final: torch.Tensor, hidden_states: torch.Tensor, hit: set[int]) -> None:
         """Each expert no token reached, applied to no token (``(0, H)`` rows) and added to ``final`` through an
         empty ``index_add_``: its parameters join the autograd graph and end the backward pass with a zero gradient,
         as that expert's slice of the fused original's parameters does (optimizers then step it: moments decay,
@@ -514,7 +514,6 @@ class LinearExperts(nn.ModuleList):
         for expert_idx, expert in enumerate(self):
             if expert_idx not in hit and any(p.requires_grad for p in expert.parameters()):
                 final.index_add_(0, empty, expert(none).to(final.dtype))
-        return final
 
     def _sparse_static(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
