@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BertModel
 
-from modelpatch import UnmatchedPatchKeyError, get_patch_mapping
+from modelpatch import ConversionError, UnmatchedPatchKeyError, apply_patches, get_patch_mapping
 from modelpatch.conversion import get_checkpoint_conversion_mapping
 from modelpatch.recipes import (
     FULL_EXAMPLE,
@@ -44,14 +44,17 @@ def test_list_and_get():
 
 
 def test_full_example_is_the_founding_documents():
-    # per-expert experts + fused QKV; the only rule is Concatenate on q/k/v, and the built-in fusion is dropped
+    # per-expert experts + fused QKV: Concatenate on q/k/v, the built-in fusion dropped, and the linear-experts
+    # recipe's readers of the fused experts layout (so a save_original_format=False checkpoint loads exactly too)
     assert FULL_EXAMPLE.patch_mapping == {
         "Qwen2MoeAttention": FUSED_QKV_CLASSES["qwen2_moe"],
         "Qwen2MoeExperts": LINEAR_EXPERTS_CLASSES["qwen2_moe"],
     }
-    (rule,) = FULL_EXAMPLE.build_conversion_rules()["qwen2_moe"]
+    rule, *fused_readers = FULL_EXAMPLE.build_conversion_rules()["qwen2_moe"]
     assert rule._original_source_patterns == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     assert [type(op).__name__ for op in rule.operations] == ["Concatenate"]
+    assert [r._original_source_patterns for r in fused_readers] == [["experts.gate_up_proj"], ["experts.down_proj"]]
+    assert {r.layout.name for r in fused_readers} == {"fused"}
     assert FULL_EXAMPLE.conversion["qwen2_moe"].overwrite is True
     assert get_recipe("qwen2_moe-fused-qkv+qwen2_moe-linear-experts").patch_mapping == FULL_EXAMPLE.patch_mapping
 
@@ -157,7 +160,7 @@ def test_apply_leaves_nothing_behind_on_error(tmp_path):
     recipe = get_recipe("qwen2_moe-full-example")
     with pytest.raises(RuntimeError, match="inside"):
         with recipe.apply():
-            assert len(get_checkpoint_conversion_mapping("qwen2_moe")) == 1  # user rule only (overwrite)
+            assert len(get_checkpoint_conversion_mapping("qwen2_moe")) == 3  # the recipe's rules only (overwrite)
             raise RuntimeError("inside")
     builtin = get_checkpoint_conversion_mapping("qwen2_moe")
     assert [r._original_target_patterns for r in builtin] == [["mlp.experts.gate_up_proj"], ["mlp.experts.down_proj"]]
@@ -198,21 +201,23 @@ def test_real_minilm_checkpoint(tmp_path):
     assert set(original) - set(saved) <= {"embeddings.position_ids"}  # a buffer Transformers does not save
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_linear_experts_from_a_fused_layout_checkpoint(family, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_moe-linear-experts", "mixtral-linear-experts", "qwen2_moe-full-example"])
+def test_linear_experts_from_a_fused_layout_checkpoint(name, tmp_path):
     """A checkpoint saved in Transformers' fused layout: experts[e] equals slice e, gate/up in the right halves;
-    saving writes the fused layout back bit for bit."""
-    name = f"{family}-linear-experts"
-    config = CASES[name]()
+    saving writes the fused layout back bit for bit (the full example read only the per-expert layout, and left the
+    experts at __init__ values here: logits 0.63 off)."""
+    config = CASES.get(name, CASES["qwen2_moe-linear-experts"])()
     from recipes_support import randomize_
 
     vanilla = randomize_(AutoModelForCausalLM.from_config(config)).eval()
     vanilla.save_pretrained(tmp_path / "fused", save_original_format=False)
     ck = tensors(tmp_path / "fused")
     assert "model.layers.1.mlp.experts.gate_up_proj" in ck
-    with pytest.warns(FutureWarning, match=f"'{name}-from-fused' is deprecated: '{name}' loads fused"):
-        alias = get_recipe(f"{name}-from-fused")  # the recipe loads both layouts: the alias is the recipe itself
-    assert alias is get_recipe(name)
+    alias = get_recipe(name)
+    if name.endswith("-linear-experts"):
+        with pytest.warns(FutureWarning, match=f"'{name}-from-fused' is deprecated: '{name}' loads fused"):
+            alias = get_recipe(f"{name}-from-fused")  # the recipe loads both layouts: the alias is the recipe itself
+        assert alias is get_recipe(name)
     with alias.apply(strict=True):
         patched = AutoModelForCausalLM.from_pretrained(tmp_path / "fused").eval()
     experts = patched.model.layers[1].mlp.experts
@@ -231,3 +236,23 @@ def test_linear_experts_from_a_fused_layout_checkpoint(family, tmp_path):
     patched.save_pretrained(tmp_path / "back")  # the reverse rules write the fused layout it was loaded from
     back = tensors(tmp_path / "back")
     assert sorted(back) == sorted(ck) and all(torch.equal(back[k], ck[k]) for k in ck)
+
+
+def test_experts_patch_without_rules_for_the_fused_layout_refuses_to_load(tmp_path):
+    """The per-expert experts class without the recipe's rules, on a fused-layout checkpoint: the experts tensors
+    are there but nothing reads them, so the load raises (it used to return a model with __init__ experts, one
+    warning in the log) and names the modules, the unread tensors and the way out."""
+    from recipes_support import randomize_
+
+    vanilla = randomize_(AutoModelForCausalLM.from_config(CASES["qwen2_moe-linear-experts"]()))
+    vanilla.save_pretrained(tmp_path, save_original_format=False)
+    replacement = LINEAR_EXPERTS_CLASSES["qwen2_moe"]
+    with pytest.raises(ConversionError) as info, apply_patches({"Qwen2MoeExperts": replacement}):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    message = str(info.value)
+    assert "24 parameter(s) of 2 replacement module(s) were not loaded" in message
+    assert (
+        "model.layers.0.mlp.experts: model.layers.0.mlp.experts.down_proj, model.layers.0.mlp.experts.gate_up_proj"
+        in message
+    )
+    assert "-linear-experts recipe" in message and "allow_init_values()" in message

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from ..conversion.compose import settle_layouts
+from ..conversion.unloaded import allow_init_values
 from ..recipes import FULL_EXAMPLE, Recipe
 from .checkpoint import checkpoint_dir, checkpoint_keys, example_checkpoint, model_class, read_config
 from .errors import EXIT_FAILED_CHECK, CliError
@@ -106,7 +107,9 @@ def _timed_load(cls, path: str, dtype, recipe: Recipe | None):
     if recipe is None:
         model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True)
     else:
-        with recipe.apply():
+        # parameters the patch's rules leave unfilled are an error of a plain load; verify loads anyway to report
+        # them (the "loading" and "provenance" checks fail, naming them)
+        with allow_init_values(), recipe.apply():
             model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True)
     return model.eval(), info, time.perf_counter() - start
 

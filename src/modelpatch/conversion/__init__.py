@@ -23,7 +23,7 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
               refusal (:class:`QuantizedSaveError`), pre-quantized loads of a converted layout
 ``loading``   the ``from_pretrained`` path             ``saving``    the ``save_pretrained`` reverse and
               :func:`iter_original_state_dict` (weight sync), one path
-``unloaded``  replacement parameters the checkpoint did not provide
+``unloaded``  replacement parameters the checkpoint did not provide (:func:`allow_init_values`)
 ``report``    :func:`conversion_report`
 ``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
 ``statedict`` ``model.load_state_dict`` in both layouts (hooks on every model that carries conversion state)
@@ -49,8 +49,10 @@ from .rules import Layout, LayoutWeightConverter, LayoutWeightRenaming, WeightCo
 from .saving import bind_conversion_rules, iter_original_state_dict
 from .statedict import has_state_dict_hooks
 from .streaming import OriginalLayoutIterator  # registers the state listener that installs the hooks
+from .unloaded import allow_init_values
 
 __all__ = [
+    "allow_init_values",
     "Chunk",
     "Concatenate",
     "ConversionError",

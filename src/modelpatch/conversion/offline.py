@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
+from .compose import layout_settled, settle_layouts
 from .errors import ConversionError
 from .io import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, checkpoint_files
 from .plan import ConversionRow, build_plan, load_tensor
@@ -64,7 +65,10 @@ def _rules_for(name, rules, reverse):
     except TypeError as exc:
         raise ConversionError(f"Cannot convert offline with rules of '{name}': {exc}") from None
     if reverse:
-        rules = [rule.reverse_transform() for rule in rules[::-1]]
+        # a converted checkpoint does not say which of a recipe's alternative source layouts it came from: the
+        # reverse writes each layout group's default (the layout Transformers' own save_pretrained writes)
+        kept = settle_layouts(rules, {id(rule) for rule in rules}, set())
+        rules = [rule.reverse_transform() for rule in rules[::-1] if id(rule) in kept]
     return rules
 
 
@@ -76,7 +80,7 @@ def _check_matched(plan, rules: list, src: str) -> None:
             "checkpoint already in the target layout, or should --reverse be used?"
         )
     for rule in rules:
-        if id(rule) not in plan.fired:
+        if id(rule) not in plan.fired and not layout_settled(rule, rules, plan.fired):
             logger.warning(f"Conversion rule {rule!r} matched no key of '{src}'")
 
 

@@ -4,14 +4,20 @@ A replacement with a different parameter layout and no (or wrong) conversion rul
 Transformers lists the keys as missing, in a table that is easy to miss, and re-initialises only what the model's
 ``_init_weights`` knows (standard layers): a replacement's own ``nn.Parameter``/buffers would keep uninitialised
 memory, so modelpatch gives them the values the replacement's ``__init__`` gives them, as ``from_config`` would. For a
-patched model that is almost always a missing rule, so modelpatch names the replaced modules concerned in a
-warning, and raises :class:`~modelpatch.conversion.errors.ConversionError` when a strict patch scope (or
-registry-wide strict mode) is in force, before the model is returned.
+patched model that is almost always a missing rule. When the checkpoint *does* hold tensors under such a module
+that no rule read (its keys come back unexpected or mismatched: a layout the rules cannot read, e.g. fused experts
+tensors for a recipe of per-expert ones), loading raises :class:`~modelpatch.conversion.errors.ConversionError`
+before the model is returned: the model would compute with ``__init__`` values, and ``save_pretrained`` would write
+them as the checkpoint. :func:`allow_init_values` is the explicit opt-out. A replacement's own new parameters (no
+checkpoint tensor under the module was left unread: a new gate, a new adapter) keep their ``__init__`` values with
+a warning that names them, or raise when a strict patch scope (or registry-wide strict mode) is in force.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,7 +32,28 @@ from .errors import ConversionError
 
 logger = logging.get_logger("modelpatch")
 
-__all__ = ["check_replacements_loaded", "restore_pending_initial_values"]
+__all__ = ["allow_init_values", "check_replacements_loaded", "restore_pending_initial_values"]
+
+_ALLOW_INIT_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar("modelpatch_allow_init_values", default=False)
+
+
+@contextlib.contextmanager
+def allow_init_values() -> Iterator[None]:
+    """Inside this block, loads keep replacement parameters the checkpoint did not fill at their ``__init__`` values
+    (with a warning naming them) even where the checkpoint held tensors for those modules that no rule read, instead
+    of raising :class:`~modelpatch.conversion.errors.ConversionError`: for re-initialising a module on purpose.
+    Per context (thread / task), restored on exit.
+
+    Example::
+
+        with modelpatch.allow_init_values(), apply_patches({"LlamaAttention": MyAttention}):
+            model = AutoModelForCausalLM.from_pretrained(path)
+    """
+    token = _ALLOW_INIT_VALUES.set(True)
+    try:
+        yield
+    finally:
+        _ALLOW_INIT_VALUES.reset(token)
 
 
 def _replaced_module_paths(model) -> dict[str, Replacement]:
@@ -41,10 +68,14 @@ def check_replacements_loaded(model, loading_info) -> None:
         loading_info: Transformers' ``LoadStateDictInfo`` of that load (``missing_keys``, ``mismatched_keys``).
 
     Raises:
-        ConversionError: a strict scope is active and some parameter of a replacement module was not loaded.
+        ConversionError: some parameter of a replacement module was not loaded while the checkpoint held tensors
+            under that module that were not read (unexpected or mismatched keys; outside :func:`allow_init_values`),
+            or a strict scope is active and some parameter of a replacement module was not loaded.
     """
     missing = set(getattr(loading_info, "missing_keys", ()) or ())
-    missing |= {entry[0] for entry in getattr(loading_info, "mismatched_keys", ()) or ()}
+    mismatched = {entry[0] for entry in getattr(loading_info, "mismatched_keys", ()) or ()}
+    missing |= mismatched
+    unread_keys = set(getattr(loading_info, "unexpected_keys", ()) or ()) | mismatched
     if not missing:
         return
     replaced = _replaced_module_paths(model)
@@ -63,6 +94,18 @@ def check_replacements_loaded(model, loading_info) -> None:
         for path, keys in list(hits.items())[:6]
     ]
     count = sum(len(k) for k in hits.values())
+    unread = {path: sorted(k for k in unread_keys if k.startswith(path + ".")) for path in hits}
+    unread = {path: keys for path, keys in unread.items() if keys}
+    if unread and not _ALLOW_INIT_VALUES.get():
+        shown = [f"{path}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}" for path, keys in unread.items()]
+        raise ConversionError(
+            f"modelpatch: {count} parameter(s) of {len(hits)} replacement module(s) were not loaded, while the "
+            f"checkpoint holds tensors under {len(unread)} of those modules that no conversion rule read (a layout "
+            "the patch's rules cannot read; the model would compute with __init__ values and save them as the "
+            "checkpoint):\n  " + "\n  ".join(lines) + "\nunread checkpoint tensors:\n  " + "\n  ".join(shown) + "\n"
+            "Load with a recipe (or conversion rules) that reads this layout, e.g. its *-linear-experts recipe for "
+            "fused experts tensors; to keep the __init__ values on purpose, load inside modelpatch.allow_init_values()."
+        )
     message = (
         f"modelpatch: {count} parameter(s) of {len(hits)} replacement module(s) were not in the checkpoint (or did "
         "not fit); they hold the values the replacement's own __init__ gives them, standard layers re-initialised by "

@@ -69,16 +69,10 @@ def _build() -> dict[str, Recipe]:
     recipes = [fused_qkv_recipe(f) for f in _ATTENTION_FAMILIES]
     recipes.append(BERT_FUSED_QKV)
     by_name = {r.name: r for r in recipes}
-    experts = linear_experts_recipe("qwen2_moe")
-    # the founding document's example reads the Hub's per-expert checkpoints only: the experts' classes, and the
-    # built-in expert fusion dropped (no rule of the fused layout)
-    per_expert = Recipe(
-        name=experts.name,
-        description=experts.description,
-        patch_mapping=experts.patch_mapping,
-        conversion={"qwen2_moe": RuleSpec(list, overwrite=True)},
-    )
-    full = by_name["qwen2_moe-fused-qkv"] + per_expert
+    # the founding document's example (per-expert experts + fused QKV) reads both layouts Transformers writes for
+    # qwen2_moe, as the linear-experts recipe does: the Hub's per-expert tensors and the fused experts tensors of
+    # save_pretrained(..., save_original_format=False) (reading only the first left the experts at __init__ values)
+    full = by_name["qwen2_moe-fused-qkv"] + linear_experts_recipe("qwen2_moe")
     by_name["qwen2_moe-full-example"] = Recipe(
         name="qwen2_moe-full-example",
         description="founding document's full example: per-expert experts + fused QKV + Concatenate rule (qwen2_moe)",
