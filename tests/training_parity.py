@@ -57,6 +57,9 @@ class Parity:
         expert_keys: the checkpoint keys of expert tensors (converted keys, or keys under a fused experts module).
         noise: max abs difference between two equivalent unpatched runs (``experts_implementation="batched_mm"``
             or ``attn_implementation="sdpa"`` against the eager one), when measured.
+        relative: ``{checkpoint key: ||patched - unpatched|| / ||unpatched - start||}`` (L2 norms over the tensor):
+            the difference as a share of what the steps did, for keys the steps moved.
+        noise_relative: the largest :attr:`relative` figure of the two equivalent unpatched runs, when measured.
     """
 
     diffs: dict[str, float] = field(default_factory=dict)
@@ -66,6 +69,8 @@ class Parity:
     keys_equal: bool = True
     noise: float | None = None
     expert_keys: set[str] = field(default_factory=set)
+    relative: dict[str, float] = field(default_factory=dict)
+    noise_relative: float | None = None
 
     @property
     def max_diff(self) -> float:
@@ -124,13 +129,16 @@ def train(
     *,
     step: Callable | None = None,
     parity: Parity | None = None,
+    autocast: torch.dtype | None = None,
 ) -> None:
-    """One optimizer step per batch of ``data`` (``step``: a compiled ``model -> loss`` to use instead of eager)."""
+    """One optimizer step per batch of ``data`` (``step``: a compiled ``model -> loss`` to use instead of eager;
+    ``autocast``: the forward under ``torch.autocast("cpu", dtype=autocast)``)."""
     model.train()
     for i, batch in enumerate(data):
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(i)  # dropout, router jitter: the same draws in both models
-        loss = step(batch) if step is not None else scalar_loss(model(**batch))
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = step(batch) if step is not None else scalar_loss(model(**batch))
         loss.backward()
         if parity is not None:
             parity.none_grads += [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
@@ -163,15 +171,24 @@ def compare(patched: torch.nn.Module, reference: torch.nn.Module, start: dict[st
             parity.diffs[key] = (got[key] - value).abs().max().item()
         if key in start:
             parity.moved[key] = (value - start[key]).abs().max().item()
+            if key in got:
+                parity.relative[key] = _relative(got[key], value, start[key])
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor) -> float:
+    moved = (want - start).norm().item()
+    return (got - want).norm().item() / moved if moved > 0 else 0.0
 
 
 def load(cls: type, path: Path, recipe: str | None, **kwargs) -> torch.nn.Module:
+    """``cls.from_pretrained(path, **kwargs)`` (eager attention unless ``kwargs`` say otherwise), inside ``recipe``."""
+    kwargs = {"attn_implementation": "eager"} | kwargs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if recipe is None:
-            return cls.from_pretrained(path, attn_implementation="eager", **kwargs)
+            return cls.from_pretrained(path, **kwargs)
         with get_recipe(recipe).apply():
-            return cls.from_pretrained(path, attn_implementation="eager", **kwargs)
+            return cls.from_pretrained(path, **kwargs)
 
 
 _SMALLER = {
@@ -213,12 +230,15 @@ def run_pair(
     configure: Callable[[torch.nn.Module], None] | None = None,
     data: list[dict] | None = None,
     noise: dict | None = None,
+    load_kwargs: dict | None = None,
+    autocast: torch.dtype | None = None,
 ) -> dict[str, Parity]:
     """``{optimizer name: Parity}`` of ``steps`` steps of each optimizer on the unpatched model and the model
     loaded with ``recipe`` (``compiled``: the patched model's forward + loss under ``torch.compile``;
     ``configure``: called on both models before training, e.g. to enable gradient checkpointing; ``noise``: load
     arguments of an equivalent unpatched run, e.g. ``{"experts_implementation": "batched_mm"}``, whose difference
-    from the eager one is :attr:`Parity.noise`)."""
+    from the eager one is :attr:`Parity.noise`; ``load_kwargs``: more ``from_pretrained`` arguments of every model, e.g.
+    ``{"dtype": torch.bfloat16}``; ``autocast``: every forward under CPU autocast to that dtype)."""
     text_type = text_type or model_type
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,7 +247,8 @@ def run_pair(
             _, cls = family_checkpoint(model_type, text_type, folder)
         else:
             _, cls = checkpoint(folder)
-        unpatched, patched_base = load(cls, folder, None), load(cls, folder, recipe)
+        load_kwargs = load_kwargs or {}
+        unpatched, patched_base = load(cls, folder, None, **load_kwargs), load(cls, folder, recipe, **load_kwargs)
         start = original_state(unpatched)
         inputs = data or batches(text_type, unpatched, steps)
         for name in optimizers:
@@ -238,7 +259,13 @@ def run_pair(
             lr = LEARNING_RATES[name]
             parity = Parity()
             untouched = Parity()
-            train(reference, OPTIMIZERS[name](list(reference.parameters()), lr), inputs, parity=untouched)
+            train(
+                reference,
+                OPTIMIZERS[name](list(reference.parameters()), lr),
+                inputs,
+                parity=untouched,
+                autocast=autocast,
+            )
             step = None
             if compiled:
                 torch._dynamo.reset()
@@ -246,14 +273,24 @@ def run_pair(
                     lambda batch, model=patched: scalar_loss(model(**batch)),
                     backend=compiled if isinstance(compiled, str) else "inductor",
                 )
-            train(patched, OPTIMIZERS[name](list(patched.parameters()), lr), inputs, step=step, parity=parity)
+            train(
+                patched,
+                OPTIMIZERS[name](list(patched.parameters()), lr),
+                inputs,
+                step=step,
+                parity=parity,
+                autocast=autocast,
+            )
             unused = set(untouched.none_grads) | set(_untrained_modules(patched, reference, parity.none_grads))
             parity.none_grads = [n for n in parity.none_grads if n not in unused]
             compare(patched, reference, start, parity)
             if noise is not None:
-                other = load(cls, folder, None, **noise)
-                train(other, OPTIMIZERS[name](list(other.parameters()), lr), inputs)
+                other = load(cls, folder, None, **(load_kwargs | noise))
+                if configure is not None:
+                    configure(other)
+                train(other, OPTIMIZERS[name](list(other.parameters()), lr), inputs, autocast=autocast)
                 b, a = original_state(other), original_state(reference)
                 parity.noise = max((b[k] - a[k]).abs().max().item() for k in a)
+                parity.noise_relative = max(_relative(b[k], a[k], start[k]) for k in a if k in start)
             results[name] = parity
     return results

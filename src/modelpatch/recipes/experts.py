@@ -34,9 +34,12 @@ A model built from a config (nothing loaded) saves the per-expert layout.
 ``forward(hidden_states (N, H), top_k_index (N, k) long, top_k_weights (N, k)) -> (N, H)`` follows the original
 loop (experts visited in index order, the index ``E`` used as padding is skipped, ``index_add_``), so outputs equal
 the fused original within fp32 rounding. Training steps the same parameters as the original: an expert no token
-reached gets a zero gradient, not ``None`` (while gradients are recorded, idle experts run on zero rows), as its
-slice of the fused tensor does, so SGD momentum, Adam moments and weight decay move it as they move the original,
-and ``DistributedDataParallel(find_unused_parameters=False)`` sees every parameter in every step.
+reached gets a zero gradient, not ``None`` (while gradients are recorded, one autograd node gives the idle experts'
+trainable parameters zero gradients without running them), as its slice of the fused tensor does, so SGD momentum,
+Adam moments and weight decay move it as they move the original, and
+``DistributedDataParallel(find_unused_parameters=False)`` sees every parameter in every step. When FSDP2 shards the
+expert modules themselves (``fully_shard`` per expert), every expert is called, in index order, on its tokens
+(possibly none): each call is a collective (all-gather before, reduce-scatter after) that every rank must make.
 
 Under ``torch.compile`` the forward takes one of two formulations, chosen by the instance attribute
 ``compiled_dispatch`` (class default ``"sparse"``); both call every expert's own ``nn.Linear`` modules (hooks,
@@ -408,6 +411,31 @@ def _derive(ref: nn.Module, cls_name: str) -> dict[str, Any]:
     )
 
 
+class _ZeroGradients(torch.autograd.Function):
+    """``(anchor (0, H), *params) -> (0, H)`` empty rows whose backward gives every ``param`` a zero gradient of its
+    own shape and dtype (and ``anchor`` none): the parameters join the graph as a module run on no token would make
+    them join, without running it. Works under gradient checkpointing (re-run in the recomputation) and with any
+    parameter (PEFT adapters, quantized wrappers' trainable parts)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        return anchor.new_zeros(anchor.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+
+
+def _sharded_per_expert(experts: nn.ModuleList) -> bool:
+    """Whether FSDP2 (``torch.distributed.fsdp.fully_shard``) sharded the expert modules themselves."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return any(isinstance(expert, FSDPModule) for expert in experts)
+
+
 class LinearExperts(nn.ModuleList):
     """``E`` :class:`ExpertMLP` modules replacing a fused experts class; built with its constructor arguments.
 
@@ -416,8 +444,8 @@ class LinearExperts(nn.ModuleList):
 
     ``compiled_dispatch`` (``"sparse"`` or ``"dense"``; set it on an instance to change one layer) chooses the
     formulation traced by ``torch.compile``; eager calls run the sparse loop over the experts hit, then, while
-    gradients are recorded, every other expert on no token, so that its parameters get a zero gradient (not
-    ``None``) as its slice of the fused original does: optimizers step it exactly as they step the original
+    gradients are recorded, give every other expert's trainable parameters a zero gradient (not ``None``, one
+    autograd node, no expert run) as its slice of the fused original does: optimizers step it exactly as they step the original
     (momentum and Adam moments decay, weight decay applies) and ``DistributedDataParallel`` with
     ``find_unused_parameters=False`` sees every parameter used. ``skip_idle_experts = True`` (an explicit opt-out,
     per instance) leaves idle experts out of the graph: their gradients stay ``None`` and optimizers skip them,
@@ -490,6 +518,10 @@ class LinearExperts(nn.ModuleList):
             raise ModelpatchValueError(
                 f"{type(self).__name__}.compiled_dispatch={dispatch!r}: expected one of {COMPILED_DISPATCHES}"
             )
+        if _sharded_per_expert(self):
+            # FSDP2 shards each expert module: its pre-forward all-gather and post-backward reduce-scatter are
+            # collectives, so every rank calls every expert, in index order, on its tokens (possibly none)
+            return self._sparse_static(hidden_states, top_k_index, top_k_weights)
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -504,16 +536,21 @@ class LinearExperts(nn.ModuleList):
         return final
 
     def _idle_experts(self, final: torch.Tensor, hidden_states: torch.Tensor, hit: set[int]) -> None:
-        """Each expert no token reached, applied to no token (``(0, H)`` rows) and added to ``final`` through an
-        empty ``index_add_``: its parameters join the autograd graph and end the backward pass with a zero gradient,
-        as that expert's slice of the fused original's parameters does (optimizers then step it: moments decay,
-        weight decay applies; DDP's reducer sees every parameter), as in the compiled loop. Experts whose parameters
-        are all frozen are skipped (they get no gradient either way)."""
-        none = hidden_states[:0]
-        empty = torch.zeros(0, dtype=torch.long, device=hidden_states.device)
-        for expert_idx, expert in enumerate(self):
-            if expert_idx not in hit and any(p.requires_grad for p in expert.parameters()):
-                final.index_add_(0, empty, expert(none).to(final.dtype))
+        """Give the trainable parameters of each expert no token reached a zero gradient (not ``None``), as that
+        expert's slice of the fused original's parameters gets: one :class:`_ZeroGradients` node over all of
+        them, added to ``final`` through an empty ``index_add_`` (no expert runs, no FLOPs). Optimizers then step
+        those parameters as they step the fused slice (moments decay, weight decay applies) and DDP's reducer sees
+        every parameter. Frozen parameters are left out (they get no gradient either way)."""
+        idle = [
+            p
+            for expert_idx, expert in enumerate(self)
+            if expert_idx not in hit
+            for p in expert.parameters()
+            if p.requires_grad
+        ]
+        if idle:
+            empty = torch.zeros(0, dtype=torch.long, device=hidden_states.device)
+            final.index_add_(0, empty, _ZeroGradients.apply(hidden_states[:0], *idle).to(final.dtype))
 
     def _sparse_static(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
