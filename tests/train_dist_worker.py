@@ -9,6 +9,7 @@ scenario (the test kills the workers after its timeout) still leaves the earlier
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 import time
@@ -57,7 +58,9 @@ def make_checkpoints(folder: Path) -> dict[str, str]:
     return paths
 
 
+@functools.cache
 def load(path: str, recipe: str | None) -> torch.nn.Module:
+    """The checkpoint at ``path`` loaded (with ``recipe``), once per process: callers train copies."""
     from transformers import AutoModelForCausalLM
 
     from modelpatch.recipes import get_recipe
@@ -180,19 +183,30 @@ def _batches(seed: int, vocab: int = 100) -> list[torch.Tensor]:
     return [torch.randint(3, vocab, (2, SEQ_LEN), generator=g) for _ in range(STEPS)]
 
 
+_SINGLE: dict[tuple[str, str, str], dict] = {}  # one-process runs, shared by the wrappers' scenarios
+
+
+def _single(path: str, recipe: str | None, optimizer: str, rank: int, world: int) -> dict:
+    key = (path, str(recipe), optimizer)
+    if key not in _SINGLE:
+        _SINGLE[key] = train_run(load(path, recipe), "single", optimizer, _batches(seed=1), rank, world)
+    return copy.copy(_SINGLE[key])
+
+
 def training_scenario(wrapper: str, folders: dict[str, str], rank: int, world: int) -> dict:
     """Per family and optimizer: the unpatched model in one process on the whole batch (the reference) against
     the patched model in one process, and the unpatched and the patched model under ``wrapper``."""
     results = {}
     for family, recipe in FAMILIES.items():
-        unpatched, patched = load(folders[family], None), load(folders[family], recipe)
+        path = folders[family]
+        unpatched, patched = load(path, None), load(path, recipe)
         start = original_weights(unpatched, "single")
         batches = _batches(seed=1)
         for name in OPTIMIZER_NAMES:
-            reference = train_run(unpatched, "single", name, batches, rank, world)
+            reference = _single(path, None, name, rank, world)
             moved = max((reference["weights"][k] - start[k]).abs().max().item() for k in start)
             runs = {
-                "patched-single": train_run(patched, "single", name, batches, rank, world),
+                "patched-single": _single(path, recipe, name, rank, world),
                 f"unpatched-{wrapper}": train_run(unpatched, wrapper, name, batches, rank, world),
                 f"patched-{wrapper}": train_run(patched, wrapper, name, batches, rank, world),
             }
