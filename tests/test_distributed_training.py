@@ -126,6 +126,10 @@ def _check_training(results: dict, wrapper: str) -> None:
         what = (family, optimizer, run, got["worst"])
         same = run == f"patched-{wrapper}"
         assert got["missing_grads"] == 0, what  # every trainable parameter got a gradient in every step
+        wrapped = run.endswith(wrapper)
+        assert got["find_unused_parameters"] is (False if wrapped and wrapper == "ddp" else None), what
+        # FSDP2 shards each of the 2 x 4 experts on its own
+        assert got["sharded_experts"] == (8 if same and wrapper == "fsdp2" and family == "qwen2_moe" else 0), what
         # the same weights on both ranks (FSDP2: gathered), and what one process reaches on the whole batch
         assert ranks[1][(family, optimizer, run)]["diff"] == got["diff"], what
         assert got["diff"] <= _bound(optimizer, same_wrapper=run == "patched-single"), what + (got["diff"],)
@@ -162,6 +166,7 @@ def test_routing_replay_under_distributed_wrappers(worker_results, wrapper):
         assert got["train_loss_diff"] <= 1e-5 and got["train_logits_diff"] <= 1e-5, got
         assert got["weights_diff"] <= WRAPPER_SGD_BOUND, got
         assert got["moved"] > 20 * WRAPPER_SGD_BOUND, got
+        assert got["sharded_experts"] == (8 if wrapper == "fsdp2" else 0), got
     assert sum(r["idle_here_hit_elsewhere"] for r in ranks) >= 1, ranks
 
 

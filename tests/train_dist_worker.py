@@ -137,6 +137,15 @@ def _trace_hits(trace, num_experts: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def _sharded_experts(model: torch.nn.Module) -> int:
+    """How many per-expert modules FSDP2 shards on their own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from modelpatch.recipes.experts import ExpertMLP
+
+    return sum(1 for m in model.modules() if isinstance(m, ExpertMLP) and isinstance(m, FSDPModule))
+
+
 def _grads_missing(model: torch.nn.Module) -> int:
     return sum(1 for p in model.parameters() if p.requires_grad and p.grad is None)
 
@@ -165,6 +174,8 @@ def train_run(
         opt.step()
         losses.append(float(loss.detach()))
     out = {"weights": original_weights(model, wrapper), "missing_grads": missing, "losses": losses}
+    out["find_unused_parameters"] = getattr(wrapped, "find_unused_parameters", None)
+    out["sharded_experts"] = _sharded_experts(model)
     if num_experts and wrapper != "single":
         out["idle_here"], out["idle_here_hit_elsewhere"] = _idle_counts(torch.stack(hits))  # (steps, layers, E)
     return out
@@ -289,6 +300,7 @@ def replay_scenario(wrapper: str, folders: dict[str, str], rank: int, world: int
         weights_diff=diff,
         worst=worst,
         moved=moved,
+        sharded_experts=_sharded_experts(dist_model),
     )
     return out
 
