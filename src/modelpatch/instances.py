@@ -46,6 +46,7 @@ from transformers.utils import logging
 from .conversion.compose import ResolvedRules, resolve_model_rules
 from .conversion.errors import ConversionError, ConversionShapeError
 from .conversion.registry import rulesets_in_force, scoped_rulesets
+from .conversion.rules import rule_layout
 from .conversion.state import STATE_ATTR, ConversionState, get_state, set_state
 from .conversion.transfer import TransferRules, transfer_rules
 from .errors import ModelpatchError, ModelpatchRuntimeError, ModelpatchValueError
@@ -672,7 +673,12 @@ def patch_model(
     for target in targets:
         _refuse_dispatched(target.path, target.module)
         fired |= _validate(model, target, transfer, ties, strict_rules, keep_original)
-    unused = [r for r in user.rules if id(r) not in fired]
+    # a rule of one checkpoint Layout (e.g. the fused experts tensors) is an alternative reader: when no rule of its
+    # layout fired, the tensors came in another layout of its group (possibly one needing no rule at all)
+    fired_layouts = {id(rule_layout(r)) for r in user.rules if id(r) in fired and rule_layout(r) is not None}
+    unused = [
+        r for r in user.rules if id(r) not in fired and (rule_layout(r) is None or id(rule_layout(r)) in fired_layouts)
+    ]
     for rule in unused:
         message = f"Conversion rule {rule!r} (registered as {user.owner.get(id(rule))!r}) moved no tensor of the modules patch_model replaces"
         if strict_rules:
