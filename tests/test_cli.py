@@ -277,3 +277,24 @@ def test_invalid_config_json_is_a_one_line_error(command, tmp_path, capsys):
     assert main([command, "--model", str(tmp_path), "--recipe", "bert-fused-qkv"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read" in err and "config.json" in err
+
+
+@pytest.mark.parametrize("command", ["convert", "verify", "explain", "routing-check"])
+def test_a_recipe_of_another_family_is_one_line_in_every_subcommand(command, tmp_path, capsys):
+    """``convert --recipe mixtral-linear-experts`` on a qwen2_moe checkpoint exited 0 having applied Transformers'
+    own rules, and ``verify`` said FAIL: every subcommand exits 2 with one line naming both model types, having
+    written nothing."""
+    src = save_case("qwen2_moe-linear-experts", tmp_path / "ck")
+    out = tmp_path / "out"
+    argv = {
+        "convert": ["convert", src, str(out)],
+        "verify": ["verify", "--model", src],
+        "explain": ["explain", "--model", src],
+        "routing-check": ["routing-check", "--model", src, "--routes", str(tmp_path / "none.npy")],
+    }[command]
+    capsys.readouterr()
+    assert main([*argv, "--recipe", "mixtral-linear-experts"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "recipe mixtral-linear-experts is for model type(s) mixtral" in err and "qwen2_moe" in err, err
+    assert not out.exists()

@@ -13,7 +13,7 @@ import os
 
 from .errors import CliError
 from .render import plain, table
-from .sources import resolve_patches
+from .sources import check_recipe_fits, resolve_patches
 
 __all__ = ["add_parser", "main"]
 
@@ -53,6 +53,7 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"source '{args.src}' does not exist")
     recipe = resolve_patches(args.recipe, args.patches)
     model_type = _model_type(args.src, args.model_type)
+    check_recipe_fits(recipe, {model_type}, f"'{args.src}'" + (" (--model-type)" if args.model_type else ""))
     try:
         with recipe.apply():
             rows = convert_checkpoint(args.src, args.dst, model_type, reverse=args.reverse)

@@ -18,7 +18,7 @@ import torch
 from .checkpoint import checkpoint_keys, model_class, read_config
 from .errors import CliError
 from .render import plain, section, strict_json, table
-from .sources import resolve_patches
+from .sources import check_recipe_fits, config_names, resolve_patches
 
 __all__ = ["add_parser", "main", "explain"]
 
@@ -64,6 +64,7 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
     from ..patching.provenance import provenance
 
     config = _config(model_dir, model_type)
+    check_recipe_fits(recipe, config_names(config), f"'{model_dir}'" if model_dir else f"model type {model_type!r}")
     with recipe.apply() as scope:
         model = _build_on_meta(config)
         rules = get_checkpoint_conversion_mapping(config.model_type) or []

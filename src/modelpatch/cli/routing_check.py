@@ -130,18 +130,23 @@ def main(args: argparse.Namespace) -> int:
         replay_routing,
     )
     from .checkpoint import checkpoint_dir, model_class, read_config
+    from .sources import check_recipe_fits, config_names
 
     # one-line errors for a folder that is not a checkpoint
-    cls: Any = model_class(read_config(checkpoint_dir(args.model)))
-    routes, stored = _routes(args)
-    ids, mask = _inputs(args, stored)
-    if args.recipe:
+    config = read_config(checkpoint_dir(args.model))
+    cls: Any = model_class(config)
+    recipe = None
+    if args.recipe:  # before the routes are read: a recipe of another family is the first error
         from ..recipes import UnknownRecipeError, get_recipe
 
         try:
             recipe = get_recipe(args.recipe)
         except UnknownRecipeError as exc:
             raise CliError(str(exc)) from None
+        check_recipe_fits(recipe, config_names(config), f"'{args.model}'")
+    routes, stored = _routes(args)
+    ids, mask = _inputs(args, stored)
+    if recipe is not None:
         with recipe.apply():
             model = cls.from_pretrained(args.model)
     else:

@@ -237,6 +237,33 @@ def _fresh_rules(rules: tuple) -> list:
     return [as_modelpatch_rule(copy.deepcopy(r)) for r in rules]
 
 
+def config_names(config) -> set[str]:
+    """Registry names that can hold rules for a model of ``config``: its ``model_type``, its architectures and the
+    ``model_type`` of its sub-configs."""
+    names = {getattr(config, "model_type", None), *(getattr(config, "architectures", None) or ())}
+    for key in getattr(config, "sub_configs", None) or {}:
+        names.add(getattr(getattr(config, key, None), "model_type", None))
+    return names - {None, ""}
+
+
+def check_recipe_fits(recipe: Recipe, names: set[str], where: str) -> None:
+    """Refuse a named recipe written for other model types than the checkpoint's (``names``: its model type, its
+    sub-configs' types, its architectures): converting or loading with it would apply Transformers' own rules, or
+    none, and report nothing about the recipe. Recipes from a patches file (no ``model_types``) are not checked.
+
+    Raises:
+        CliError: one line naming the recipe, its model types and the checkpoint's.
+    """
+    if not recipe.model_types or names & set(recipe.model_types):
+        return
+    model_types = ", ".join(recipe.model_types[:8]) + (" ..." if len(recipe.model_types) > 8 else "")
+    raise CliError(
+        f"recipe {recipe.name} is for model type(s) {model_types}, and {where} is of model type(s) "
+        f"{', '.join(sorted(n for n in names if not n[:1].isupper()))}: use the recipe of its family "
+        "(`modelpatch recipes` lists them)"
+    )
+
+
 def resolve_patches(recipe: str | None, patches: str | None) -> Recipe:
     """The recipe named ``recipe``, or the one a patches module/file defines.
 

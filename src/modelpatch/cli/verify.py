@@ -41,7 +41,7 @@ from .inputs import model_inputs, model_output
 from .provenance import ParamSource, first_difference, parameter_provenance
 from .quantize import QUANTIZATIONS, QuantizedResult, quantization_config, run_quantized
 from .render import plain, section, strict_json, table
-from .sources import resolve_patches
+from .sources import check_recipe_fits, config_names, resolve_patches
 
 __all__ = ["Check", "VerifyResult", "run_verify", "converted_layout_error", "add_parser", "DTYPES"]
 
@@ -151,6 +151,7 @@ def run_verify(
     torch_dtype = DTYPES[dtype]
     atol = atol if atol is not None else (1e-5 if torch_dtype == torch.float32 else 2e-2)
     config = read_config(model_dir)
+    check_recipe_fits(recipe, config_names(config), f"the checkpoint at '{model_dir}'")
     cls: Any = model_class(config)
     result = VerifyResult(model_dir, recipe.name, cls.__name__, dtype, atol=atol)
     steps = tqdm(
@@ -253,15 +254,6 @@ def _unfired_rules(recipe: Recipe, model, rows) -> list[str]:
     return [_rule_text(rule) for rule in rules if id(rule) in expected and id(rule) not in fired_ids]
 
 
-def _config_names(config) -> set[str]:
-    """Registry names that can hold rules for a model of ``config``: its ``model_type``, its architectures and the
-    ``model_type`` of its sub-configs."""
-    names = {getattr(config, "model_type", None), *(getattr(config, "architectures", None) or ())}
-    for key in getattr(config, "sub_configs", None) or {}:
-        names.add(getattr(getattr(config, key, None), "model_type", None))
-    return names - {None, ""}
-
-
 def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info: dict, source_args: str) -> str | None:
     """The one-line error for a checkpoint already in the layout ``recipe`` converts to (e.g. written by
     ``modelpatch convert``), or ``None``.
@@ -276,7 +268,7 @@ def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info:
     missing = sorted(str(k) for k in vanilla_info.get("missing_keys") or ())
     if not missing:
         return None
-    names = _config_names(config)
+    names = config_names(config)
     keys = checkpoint_keys(model_dir)
     for name, rules in recipe.build_conversion_rules().items():
         if name not in names:
