@@ -297,6 +297,27 @@ def test_generate_with_any_cache_records_exactly_the_real_tokens(family, overrid
         assert all(torch.equal(a, b) for a, b in zip(trace[layer], reference[layer]))
 
 
+@pytest.mark.parametrize("cache", ["static", None])
+def test_generate_with_num_return_sequences_expands_the_padding_mask(cache):
+    """``num_return_sequences=2`` repeats each prompt row: with a static cache (4-D masks, padding read from the
+    prompt's 2-D mask) the padded row's pad positions were recorded as tokens ([10, 10, 10, 10] instead of
+    [7, 7, 10, 10] here: the prompt mask was not expanded to the generated batch)."""
+    model = tiny_model("qwen3_moe")
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 0, 20, 21, 22, 23, 24, 25]])
+    mask = (ids != 0).long()
+    # sampling with top_k=1: what num_return_sequences needs, and deterministic
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=True, top_k=1, num_return_sequences=2)
+    with torch.no_grad(), record_routing(model) as reference:  # the default cache: a 2-D mask at every forward
+        model.generate(**kwargs)
+    with torch.no_grad(), record_routing(model) as trace:
+        model.generate(**kwargs, cache_implementation=cache)
+    assert reference.sequence_lengths == [10, 10, 7, 7]
+    assert trace.sequence_lengths == [10, 10, 7, 7]
+    for layer in trace.layers:
+        assert all(torch.equal(a, b) for a, b in zip(trace[layer], reference[layer]))
+
+
 def test_a_layer_that_took_no_routes_in_a_replay_block_is_named_at_exit():
     model = tiny_model("deepseek_v3", num_hidden_layers=3)  # MoE layers 1 and 2
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))

@@ -384,16 +384,31 @@ class GenerateGuard:
                 )
         self.end = layout.past + layout.seq_len
 
-    def padding_mask(self, mask: Any, seq_len: int) -> Any:
+    def padding_mask(self, mask: Any, seq_len: int, batch: int) -> Any:
         """Inside ``generate``: the 2-D mask ``(batch, past + seq_len)`` of the forward about to run, built from the
         prompt's 2-D mask (every generated token is real), when the forward itself gets no 2-D mask: a static or
-        otherwise compiled cache hands the model a 4-D mask, from which padding cannot be read. Else ``mask``."""
+        otherwise compiled cache hands the model a 4-D mask, from which padding cannot be read. Else ``mask``.
+
+        ``generate`` expands the prompt batch ``B`` to ``batch = B * n`` rows (``num_return_sequences``: each
+        prompt row repeated ``n`` times, ``repeat_interleave`` as ``_expand_inputs_for_generation`` does), so the
+        prompt mask is expanded the same way.
+
+        Raises:
+            RoutingTraceError: ``batch`` is not a multiple of the prompt batch (the rows cannot be aligned).
+        """
         prompt = self.prompt_mask
         if not self.active or prompt is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
             return mask
         total = (self.end if self.end is not None else prompt.shape[1]) + (seq_len if self.end is not None else 0)
         if total < prompt.shape[1]:
             return mask
+        if batch != prompt.shape[0]:
+            if batch % prompt.shape[0]:
+                raise RoutingTraceError(
+                    f"record_routing: a generate forward of {batch} rows for a prompt batch of {prompt.shape[0]} "
+                    "rows: its padding cannot be aligned with the prompt's attention_mask"
+                )
+            prompt = prompt.repeat_interleave(batch // prompt.shape[0], dim=0)
         extra = prompt.new_ones((prompt.shape[0], total - prompt.shape[1]))
         return torch.cat([prompt, extra], dim=1)
 
@@ -434,7 +449,7 @@ class RecordSession(_SessionDriver):
                 and ref.dim() >= 2
                 and not (isinstance(mask, torch.Tensor) and mask.dim() == 2)
             ):
-                kwargs = {**kwargs, "attention_mask": guard.padding_mask(mask, int(ref.shape[1]))}
+                kwargs = {**kwargs, "attention_mask": guard.padding_mask(mask, int(ref.shape[1]), int(ref.shape[0]))}
         super()._pre_forward(module, args, kwargs)
 
     def compiled_layout(
@@ -445,7 +460,7 @@ class RecordSession(_SessionDriver):
         cache_position: torch.Tensor | None,
         past: int,
     ) -> None:
-        attention_mask = self.generate_guard.padding_mask(attention_mask, int(ref.shape[1]))
+        attention_mask = self.generate_guard.padding_mask(attention_mask, int(ref.shape[1]), int(ref.shape[0]))
         super().compiled_layout(ref, attention_mask, position_ids, cache_position, past)
 
     def _assign(self, layout: ForwardLayout) -> None:
