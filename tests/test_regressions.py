@@ -241,11 +241,18 @@ def test_recorders_and_report_survive_deepcopy_and_pickle():
 
 def test_replacement_parameters_missing_from_checkpoint_are_named(tmp_path, caplog):
     # a fused replacement loaded without conversion rules: Transformers initialises qkv_proj at random
-    from modelpatch import ConversionError
+    from modelpatch import ConversionError, allow_init_values
     from modelpatch.recipes.attention import FusedQKVLlamaAttention
 
     save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
-    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+    # the checkpoint's q/k/v tensors are there, unread: an error by default (it was a warning, and a model whose
+    # qkv_proj computed with random values)
+    with pytest.raises(ConversionError) as info, apply_patches({"LlamaAttention": FusedQKVLlamaAttention}):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+    assert "model.layers.0.self_attn (FusedQKVLlamaAttention replacing LlamaAttention): qkv_proj.weight" in str(
+        info.value
+    )
+    with allow_init_values(), caplog.at_level(logging.WARNING, logger="modelpatch"):
         with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}):
             LlamaForCausalLM.from_pretrained(tmp_path)
     assert "model.layers.0.self_attn (FusedQKVLlamaAttention replacing LlamaAttention): qkv_proj.weight" in caplog.text
