@@ -61,6 +61,9 @@ _WAY_OUT_FACTORED = (
 )
 
 
+_PENDING = object()  # a per-element value not converted yet
+
+
 @dataclass
 class _Unit:
     """Parameters of both layouts that one conversion group links (``model``: the model's own names, ``original``:
@@ -244,6 +247,15 @@ def _original_groups(layouts: _Layouts, groups: list[list[str]]) -> list[list[st
                 "model",
             )
         chosen[id(unit)] = in_groups[0]
+    orphan = next((unit for unit in layouts.units if unit.original and not unit.model), None)
+    if orphan is not None and chosen:
+        raise OptimizerStateError(
+            f"'{orphan.original[0]}' ({_describe(layouts.model, 'original')}) is made from no parameter of this model, "
+            "so the original layout of its optimizer state is unknown (an unpatched optimizer steps it). Keep this "
+            "optimizer's state in the model's own layout (optimizer.state_dict()).",
+            orphan.original[0],
+            "original",
+        )
     result: list[list[str]] = [[] for _ in groups]
     for name in layouts.vanilla_shapes:
         unit = layouts.of_original[name]
@@ -341,7 +353,7 @@ def _convert(
                 for name, value in zip(mine, values):
                     per_element.setdefault(key, {})[name] = value
                 for name in theirs:
-                    result[name][key] = None  # placeholder, keeps the key order
+                    result[name][key] = _PENDING  # keeps the key order
                 continue
             if unit.shared and ("other" in kinds or "wrong" in kinds):  # a parameter both layouts share
                 result[theirs[0]][key] = values[0]
@@ -381,8 +393,16 @@ def _convert(
                 result[name][key] = _copy(values[0], len(theirs))
     for key, tensors in per_element.items():
         converted = _move(layouts, side, tensors)
-        for name, tensor in converted.items():
-            result[name][key] = tensor
+        for name, value in result.items():
+            if value.get(key) is _PENDING:
+                if name not in converted:
+                    raise OptimizerStateError(
+                        f"Converting optimizer state '{key}' like the weights produced no '{name}' "
+                        f"({_describe(layouts.model, other)}); the layouts do not match parameter by parameter.",
+                        name,
+                        other,
+                    )
+                value[key] = converted[name]
     return result
 
 
@@ -447,7 +467,7 @@ def _assemble(saved: dict, names: list[list[str]], state: dict[str, dict], hyper
 
 def _by_name(saved: dict, names: list[list[str]], describe: str) -> dict[str, dict]:
     """``{name: per-parameter state}`` of a torch optimizer state dict whose groups hold ``names``."""
-    index_name = {}
+    index_name: dict[int, str] = {}
     for group, group_names in zip(saved["param_groups"], names):
         index_name.update(zip(group["params"], group_names))
     unknown = [index for index in saved["state"] if index not in index_name]
@@ -516,14 +536,14 @@ def _mismatch(saved: dict, names: list[list[str]]) -> str | None:
 def _shape_misfits(saved: dict, names: list[list[str]], shapes: dict[str, torch.Size]) -> int:
     """How many state tensors of ``saved`` (groups holding ``names``) fit neither their parameter's shape nor factored
     state of it."""
-    index_name = {}
+    index_name: dict[int, str] = {}
     for group, group_names in zip(saved["param_groups"], names):
         index_name.update(zip(group["params"], group_names))
     misfits = 0
     for index, value in saved["state"].items():
         shape = shapes.get(index_name.get(index, ""))
-        for tensor in value.values() if shape is not None else ():
-            misfits += _kind(tensor, shape) == "wrong"
+        if shape is not None:
+            misfits += sum(_kind(tensor, shape) == "wrong" for tensor in value.values())
     return misfits
 
 

@@ -33,6 +33,7 @@ import sys
 import threading
 from types import ModuleType
 
+from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from ..conversion.errors import OptimizerStateError
@@ -63,8 +64,8 @@ def _plain(trainer) -> bool:
         return False
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         return False
-    if trainer.optimizer is None:
-        return False
+    if trainer.optimizer is None or not isinstance(trainer.model, PreTrainedModel):
+        return False  # e.g. a PeftModel: its adapters keep their own layout
     try:
         return carries_own_layout(trainer.model)
     except Exception:  # noqa: BLE001 - a model modelpatch cannot inspect: Transformers' own path
