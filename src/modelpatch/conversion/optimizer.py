@@ -131,6 +131,12 @@ def _layouts(model) -> _Layouts | None:
         )
     if not carries_own_layout(model):
         return None
+    if getattr(model, "_hf_peft_config_loaded", False):
+        raise OptimizerStateError(
+            f"{type(model).__name__} has PEFT adapters loaded through Transformers (model.load_adapter), whose "
+            "parameters the original layout does not have. Keep this optimizer's state in the model's own layout "
+            "(optimizer.state_dict())."
+        )
     vanilla = vanilla_meta_model(model)
     if vanilla is None:
         raise OptimizerStateError(
@@ -507,8 +513,9 @@ def original_optimizer_state_dict(model, optimizer) -> dict[str, Any]:
         OptimizerStateError: a parameter of the optimizer is not the model's; the parameters of one conversion
             group are not all in the optimizer, or in different param groups; factored state (Adafactor's
             ``row_var``/``col_var``) or state of another shape on a converted parameter; parameters merged into
-            one disagree on a scalar (``step``) or have state for some only. Each names the parameter, its layout
-            and the way out. Nothing is changed.
+            one disagree on a scalar (``step``) or have state for some only; the model has PEFT adapters loaded
+            through Transformers, or a parameter of one layout has no counterpart in the other. Each names the
+            parameter, its layout and the way out. Nothing is changed.
         ModelpatchTypeError: ``model`` is not a ``PreTrainedModel``.
     """
     saved = optimizer.state_dict()

@@ -64,10 +64,13 @@ def _plain(trainer) -> bool:
         return False
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         return False
-    if trainer.optimizer is None or not isinstance(trainer.model, PreTrainedModel):
+    model = trainer.model
+    if trainer.optimizer is None or not isinstance(model, PreTrainedModel):
         return False  # e.g. a PeftModel: its adapters keep their own layout
+    if getattr(model, "_hf_peft_config_loaded", False):
+        return False  # adapters loaded through Transformers (model.load_adapter): likewise
     try:
-        return carries_own_layout(trainer.model)
+        return carries_own_layout(model)
     except Exception:  # noqa: BLE001 - a model modelpatch cannot inspect: Transformers' own path
         return False
 
