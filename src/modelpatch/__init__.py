@@ -3,10 +3,13 @@
 Swap module classes while a model is built (exact class name or regex keys) or in a model already built
 (:func:`patch_model`, revertible), convert checkpoint weights to the new layout on load and back on save (or hand
 them out in the original layout one conversion group at a time, :func:`iter_original_state_dict`, for weight sync to
-an inference engine), see what changed, keep output capture working on
+an inference engine; optimizer state too, :func:`original_optimizer_state_dict`, so a run resumes across layouts), see
+what changed, keep output capture working on
 replacement classes, and record/replay MoE routing (:mod:`modelpatch.routing`). Importing modelpatch installs thin wrappers on
 ``PreTrainedModel`` (see :mod:`modelpatch.integration`) so the registry applies to every
-``from_pretrained``/``from_config`` build; nothing else in the process is changed.
+``from_pretrained``/``from_config`` build, and, once ``transformers.trainer`` is imported, on the two ``Trainer``
+methods that save and load ``optimizer.pt`` (:mod:`modelpatch.integrations.trainer`); nothing else in the process is
+changed.
 """
 
 from typing import Any
@@ -19,6 +22,7 @@ from .conversion import (
     ConversionRow,
     ConversionShapeError,
     MergeModulelist,
+    OptimizerStateError,
     QuantizedSaveError,
     SplitModulelist,
     Transpose,
@@ -33,6 +37,9 @@ from .conversion import (
     get_checkpoint_conversion_mapping,
     iter_original_state_dict,
     load_converted_state_dict,
+    load_original_optimizer_state_dict,
+    optimizer_state_dict_in_model_layout,
+    original_optimizer_state_dict,
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
@@ -105,6 +112,11 @@ __all__ = [
     "convert_checkpoint",
     "bind_conversion_rules",
     "iter_original_state_dict",
+    # optimizer state across layouts (resume a run with or without a recipe)
+    "original_optimizer_state_dict",
+    "load_original_optimizer_state_dict",
+    "optimizer_state_dict_in_model_layout",
+    "OptimizerStateError",
     # quantisation
     "calibrate_all_experts",
 ]

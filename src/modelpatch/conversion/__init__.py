@@ -4,7 +4,7 @@ Rules (:class:`WeightConverter`, :class:`WeightRenaming`) and operations map che
 model's parameter layout on load, and back to the original layout on save. Modules, bottom to top (each imports only
 modules above it in this list, and from outside the package only :mod:`modelpatch.errors` and :mod:`modelpatch.patching`):
 
-``errors``    :class:`ConversionError`, :class:`ConversionShapeError`
+``errors``    :class:`ConversionError`, :class:`ConversionShapeError`, :class:`OptimizerStateError`
 ``ops``       operations with exact inverses (``Concatenate``, ``Chunk``, ``MergeModulelist``, ...)
 ``rules``     rules with module-path-boundary matching; Transformers' rule classes rebuilt as ours
 ``overlap``   which rules touch the same parameters; keys already in a rule's target layout
@@ -27,14 +27,21 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``report``    :func:`conversion_report`
 ``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
 ``statedict`` ``model.load_state_dict`` in both layouts (hooks on every model that carries conversion state)
+``optimizer`` optimizer state dicts in the original layout (:func:`original_optimizer_state_dict`) and back
+              (:func:`load_original_optimizer_state_dict`): per-element state through the weights' rules
 ``transfer``  one module's tensors of a built model between layouts (what :func:`~modelpatch.patch_model` runs)
 ``hooks``     the only wrappers of Transformers functions (installed by :mod:`modelpatch.integrations`)
 """
 
-from .errors import ConversionError, ConversionShapeError
+from .errors import ConversionError, ConversionShapeError, OptimizerStateError
 from .manual import load_converted_state_dict
 from .offline import convert_checkpoint
 from .ops import Chunk, Concatenate, Deinterleave, Interleave, MergeModulelist, SplitModulelist, SwapDims, Transpose
+from .optimizer import (
+    load_original_optimizer_state_dict,
+    optimizer_state_dict_in_model_layout,
+    original_optimizer_state_dict,
+)
 from .plan import ConversionRow
 from .quantized import QuantizedSaveError
 from .registry import (
@@ -64,6 +71,7 @@ __all__ = [
     "LayoutWeightConverter",
     "LayoutWeightRenaming",
     "MergeModulelist",
+    "OptimizerStateError",
     "OriginalLayoutIterator",
     "QuantizedSaveError",
     "SplitModulelist",
@@ -80,6 +88,9 @@ __all__ = [
     "has_state_dict_hooks",
     "iter_original_state_dict",
     "load_converted_state_dict",
+    "load_original_optimizer_state_dict",
+    "optimizer_state_dict_in_model_layout",
+    "original_optimizer_state_dict",
     "register_checkpoint_conversion_mapping",
     "unregister_checkpoint_conversion_mapping",
 ]

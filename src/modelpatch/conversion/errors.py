@@ -31,3 +31,19 @@ class ConversionShapeError(ConversionError):
             f"Converted tensor for '{key}' has shape {self.converted_shape} but the model parameter has shape "
             f"{self.expected_shape} (rule: {rule}). Nothing was loaded."
         )
+
+
+class OptimizerStateError(ConversionError):
+    """An optimizer state dict cannot be moved between a patched model's layout and the original one
+    (:mod:`modelpatch.conversion.optimizer`). Raised before the optimizer is touched.
+
+    Attributes:
+        parameter: the parameter at fault (``None`` when the state dict as a whole is at fault).
+        layout: the layout ``parameter`` is named in: ``"model"`` (the model's own parameters) or ``"original"``
+            (the unpatched model's, as in a checkpoint written without modelpatch).
+    """
+
+    def __init__(self, message: str, parameter: str | None = None, layout: str | None = None):
+        self.parameter = parameter
+        self.layout = layout
+        super().__init__(message)

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-__all__ = ["ReferenceShapes", "state_shapes", "vanilla_state_shapes"]
+__all__ = ["ReferenceShapes", "state_shapes", "vanilla_meta_model", "vanilla_state_shapes"]
 
 
 def state_shapes(named_tensors, base_model_prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -21,28 +21,34 @@ def state_shapes(named_tensors, base_model_prefix: str = "") -> dict[str, tuple[
     return shapes
 
 
-def vanilla_state_shapes(model) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of the *unpatched* model class for ``model.config``, built on the ``meta`` device (no memory,
-    no initialisation cost). It is built in a fresh thread, which starts with an empty ``contextvars`` context, so
-    class patches scoped to the caller's context do not apply. Returns ``{}`` if the class cannot be built."""
-    result: dict = {}
+def vanilla_meta_model(model):
+    """The *unpatched* model class for ``model.config``, built on the ``meta`` device (no memory, no initialisation
+    cost), or ``None`` if the class cannot be built. It is built in a fresh thread, which starts with an empty
+    ``contextvars`` context, so class patches scoped to the caller's context do not apply."""
+    result: list = []
 
     def build():
         try:
             with torch.device("meta"):
-                reference = type(model)(copy.deepcopy(model.config))
-            result.update(
-                state_shapes(
-                    ((k, v.shape) for k, v in reference.state_dict().items()), getattr(model, "base_model_prefix", "")
-                )
-            )
-        except Exception:  # noqa: BLE001 - a missing reference only means explicit sizes are required
+                result.append(type(model)(copy.deepcopy(model.config)))
+        except Exception:  # noqa: BLE001 - a missing reference only means callers fall back or refuse
             pass
 
     thread = threading.Thread(target=build, name="modelpatch-reference-shapes")
     thread.start()
     thread.join()
-    return result
+    return result[0] if result else None
+
+
+def vanilla_state_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of the *unpatched* model class for ``model.config`` (:func:`vanilla_meta_model`), also under
+    the keys without ``base_model_prefix.``. Returns ``{}`` if the class cannot be built."""
+    reference = vanilla_meta_model(model)
+    if reference is None:
+        return {}
+    return state_shapes(
+        ((k, v.shape) for k, v in reference.state_dict().items()), getattr(model, "base_model_prefix", "")
+    )
 
 
 class ReferenceShapes:

@@ -162,11 +162,15 @@ class OriginalLayoutIterator:
         groups: conversion groups planned (Transformers' converter groups and groups of the user rules; a key that
             is only renamed or passed through is not a group).
         converted: groups converted so far (a group is converted when its first output is requested).
+        sources: ``{name handed out: (model-layout keys it was made from, whether an operation made it)}``, filled
+            as names are handed out (``False``: the key was passed through or only renamed); what
+            :mod:`.optimizer` follows to move per-parameter state with the weights.
     """
 
     def __init__(self, groups: int):
         self.groups = groups
         self.converted = 0
+        self.sources: dict[str, tuple[tuple[str, ...], bool]] = {}
         self._items: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def __iter__(self) -> OriginalLayoutIterator:
@@ -247,11 +251,17 @@ def iter_reverted(
     return result
 
 
+def _entry_sources(entry: _Entry) -> tuple[tuple[str, ...], bool]:
+    return tuple(key for key, _, _ in entry.items), entry.converter is not None
+
+
 def _stream_a(stage_a: BuiltinStage, progress: OriginalLayoutIterator) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[str] = set()
     for entry in stage_a.entries:
         progress.converted += entry.converter is not None
-        yield from _drain(stage_a.convert(entry), seen)
+        outputs = stage_a.convert(entry)
+        progress.sources.update(dict.fromkeys(outputs, _entry_sources(entry)))
+        yield from _drain(outputs, seen)
 
 
 def _stream_b(
@@ -263,14 +273,16 @@ def _stream_b(
     waiting = {id(group): sum(map(len, group.sources.values())) for group in plan.groups.values()}
     arrived: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
+    origin: dict[str, tuple[str, ...]] = {}  # stage-A output waiting in a group -> its model-layout keys
     plan.produced = {}
     for index, expected in enumerate(names):
+        entry = stage_a.entries[index]
         if eager is None:
-            entry = stage_a.entries[index]
             progress.converted += entry.converter is not None
             outputs = stage_a.convert(entry)
         else:
             outputs, eager[index] = eager[index], {}
+        keys, operated = _entry_sources(entry)
         if set(outputs) != set(expected):
             raise ConversionError(
                 f"Transformers' built-in reverse conversion produced {list(outputs)}, not {expected} as planned"
@@ -278,12 +290,17 @@ def _stream_b(
         for name in expected:
             if name in final:
                 _once(final[name], seen)
+                progress.sources[final[name]] = (keys, operated)
                 yield final[name], outputs.pop(name)
                 continue
             group = group_of[name]
             arrived[name] = outputs.pop(name)
+            origin[name] = keys
             waiting[id(group)] -= 1
             if waiting[id(group)] == 0:
                 progress.converted += 1
-                yield from _drain(plan.convert_group(group, reference_shapes=references, sources=arrived), seen)
+                made = tuple(dict.fromkeys(k for source in group.source_keys() for k in origin.pop(source)))
+                converted = plan.convert_group(group, reference_shapes=references, sources=arrived)
+                progress.sources.update(dict.fromkeys(converted, (made, True)))
+                yield from _drain(converted, seen)
     state.save_rows = plan.rows("save", owner, plan.produced)

@@ -7,6 +7,9 @@
                   PEFT's adapter conversion (per-expert LoRA targets and weights kept), and PEFT's LoRA layers are
                   seen through when a patched base model is saved; wrappers on PEFT's lazily imported
                   ``peft.utils.transformers_weight_conversion``, installed when it is imported
+``trainer``       ``transformers.Trainer``'s ``optimizer.pt`` in the original layout for patched models, converted on
+                  resume (wrappers of ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``, installed
+                  when ``transformers.trainer`` is imported)
 ``trl``           :class:`~.trl.RoutingReplayGRPOTrainer`, GRPO with MoE routing replay (``pip install
                   "modelpatch[trl]"``; imported only when used)
 """

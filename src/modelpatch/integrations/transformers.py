@@ -42,6 +42,7 @@ from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..undo import UndoStack
 from . import peft as peft_integration
+from . import trainer as trainer_integration
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -141,10 +142,12 @@ _install_lock = threading.Lock()
 
 def install() -> None:
     """Install the wrappers on ``PreTrainedModel``, the output-recorder registry extension, the conversion
-    hooks and the PEFT integration (:mod:`.peft`) (idempotent; :mod:`modelpatch` calls it on import)."""
+    hooks, the PEFT integration (:mod:`.peft`) and the Trainer's optimizer checkpoint (:mod:`.trainer`) (idempotent;
+    :mod:`modelpatch` calls it on import)."""
     with _install_lock:
         conversion_hooks.install()
         peft_integration.install()
+        trainer_integration.install()
         if len(_installed):
             return
         install_registry_extension(_installed)
@@ -162,12 +165,13 @@ def install() -> None:
 
 def uninstall() -> None:
     """Remove everything :func:`install` put in place, exactly (``PreTrainedModel``'s class dictionary and the
-    recorder registry's class are as before import), the conversion hooks and the PEFT integration. Models built while installed keep
+    recorder registry's class are as before import), the conversion hooks, the PEFT and Trainer integrations. Models built while installed keep
     what they recorded; a later :func:`install` puts everything back."""
     with _install_lock:
         _installed.undo()
         conversion_hooks.uninstall()
         peft_integration.uninstall()
+        trainer_integration.uninstall()
 
 
 def installed() -> bool:

@@ -1,0 +1,193 @@
+"""The Trainer's optimizer checkpoint in the original layout, so a run resumes across layouts.
+
+A patched model's Trainer checkpoint already holds its weights in the original layout (``save_pretrained``), and
+resuming loads them into a patched model through the ``load_state_dict`` hooks of :mod:`modelpatch.conversion.
+statedict`. This module does the same for ``optimizer.pt``, by wrapping two methods of ``transformers.Trainer``:
+
+* ``_save_optimizer_and_scheduler``: for a model with a layout of its own
+  (:func:`~modelpatch.conversion.optimizer.carries_own_layout`), ``optimizer.pt`` is written in the original layout
+  (:func:`~modelpatch.conversion.optimizer.original_optimizer_state_dict`): what an unpatched run of the same
+  optimizer writes, so an unpatched Trainer resumes from it as from its own. The state is converted before anything
+  is written; state that cannot be converted (Adafactor's factored state on a converted parameter) is written in
+  the model's own layout, as without modelpatch, with a warning (the same recipe resumes from it).
+* ``_load_optimizer_and_scheduler``: for such a model, the state dict read from ``optimizer.pt`` goes through
+  :func:`~modelpatch.conversion.optimizer.optimizer_state_dict_in_model_layout` before the optimizer loads it, so
+  a checkpoint of an unpatched run (or of a run with the same recipe, in either layout) resumes the patched model.
+
+Only the plain path of both methods (one process or DDP) is changed (no DeepSpeed, FSDP, SageMaker or XLA, which keep
+their own optimizer formats); every other model goes through Transformers' methods untouched. During the call the
+Trainer's optimizer object has an instance attribute ``state_dict`` (save) or ``load_state_dict`` (load) in front of
+its own method, removed when the call returns.
+
+**Installation.** :func:`install` (called by :func:`modelpatch.integrations.transformers.install`, i.e. on import of
+modelpatch) wraps the two methods on ``transformers.Trainer`` when ``transformers.trainer`` is already imported,
+else right after it is imported (an import hook answering for that one module name only, as :mod:`.peft` does).
+:func:`uninstall` restores the methods and removes the hook. Importing modelpatch never imports the Trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import sys
+import threading
+from types import ModuleType
+
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from ..conversion.errors import OptimizerStateError
+from ..conversion.optimizer import (
+    carries_own_layout,
+    optimizer_state_dict_in_model_layout,
+    original_optimizer_state_dict,
+)
+from ..undo import UndoStack
+
+__all__ = ["install", "uninstall", "installed", "TARGET_MODULE"]
+
+logger = logging.get_logger("modelpatch.integrations.trainer")
+
+TARGET_MODULE = "transformers.trainer"
+"""Transformers' module holding ``Trainer`` (imported lazily by ``transformers``)."""
+
+_lock = threading.RLock()
+_installed = UndoStack()
+
+
+def _plain(trainer) -> bool:
+    """Whether ``trainer`` saves and loads ``optimizer.pt`` with ``torch.save``/``load_state_dict`` of the whole
+    optimizer state dict (no DeepSpeed/FSDP/SageMaker/XLA), and its model has a layout of its own."""
+    from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+    if is_torch_xla_available() or is_sagemaker_mp_enabled():
+        return False
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        return False
+    model = trainer.model
+    if trainer.optimizer is None or not isinstance(model, PreTrainedModel):
+        return False  # e.g. a PeftModel: its adapters keep their own layout
+    if getattr(model, "_hf_peft_config_loaded", False):
+        return False  # adapters loaded through Transformers (model.load_adapter): likewise
+    try:
+        return carries_own_layout(model)
+    except Exception:  # noqa: BLE001 - a model modelpatch cannot inspect: Transformers' own path
+        return False
+
+
+def _save_wrapper(original):
+    @functools.wraps(original)
+    def _save_optimizer_and_scheduler(self, output_dir, *args, **kwargs):
+        if not _plain(self):
+            return original(self, output_dir, *args, **kwargs)
+        try:
+            state = original_optimizer_state_dict(self.model, self.optimizer)
+        except OptimizerStateError as exc:
+            logger.warning(
+                f"modelpatch: optimizer.pt in {output_dir} keeps the layout of this {type(self.model).__name__} (an "
+                f"unpatched run cannot resume from it; the same recipe can): {exc}"
+            )
+            return original(self, output_dir, *args, **kwargs)
+        with UndoStack() as undo:
+            undo.setattr(self.optimizer, "state_dict", lambda: state, raw=True)
+            return original(self, output_dir, *args, **kwargs)
+
+    return _save_optimizer_and_scheduler
+
+
+def _load_wrapper(original):
+    @functools.wraps(original)
+    def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
+        if checkpoint is None or not _plain(self):
+            return original(self, checkpoint, *args, **kwargs)
+        optimizer, model = self.optimizer, self.model
+        own = optimizer.load_state_dict
+
+        def load_state_dict(state_dict):
+            return own(optimizer_state_dict_in_model_layout(model, optimizer, state_dict))
+
+        with UndoStack() as undo:
+            undo.setattr(optimizer, "load_state_dict", load_state_dict, raw=True)
+            return original(self, checkpoint, *args, **kwargs)
+
+    return _load_optimizer_and_scheduler
+
+
+_WRAPPERS = {"_save_optimizer_and_scheduler": _save_wrapper, "_load_optimizer_and_scheduler": _load_wrapper}
+
+
+def _wrap(module: ModuleType) -> None:
+    """Wrap the two methods of ``module.Trainer`` (idempotent)."""
+    with _lock:
+        trainer = getattr(module, "Trainer", None)
+        if trainer is None or len(_installed):
+            return
+        for name, make in _WRAPPERS.items():
+            if name in vars(trainer):  # a release without the method: nothing to wrap
+                _installed.setattr(trainer, name, make(vars(trainer)[name]), raw=True)
+
+
+class _Loader(importlib.abc.Loader):
+    """Delegates to the real loader; wraps the module once it has been executed."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _wrap(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Answers for :data:`TARGET_MODULE` only (``None`` for every other name)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET_MODULE:
+            return None
+        spec = None
+        for finder in list(sys.meta_path):
+            find_spec = getattr(finder, "find_spec", None)
+            if finder is self or find_spec is None:
+                continue
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _Loader(spec.loader)
+        return spec
+
+
+_hook = _ImportHook()
+
+
+def install() -> None:
+    """Wrap the Trainer's optimizer save and load now, or when ``transformers.trainer`` is imported (idempotent)."""
+    with _lock:
+        module = sys.modules.get(TARGET_MODULE)
+        if module is not None:
+            _wrap(module)
+        elif _hook not in sys.meta_path:
+            sys.meta_path.insert(0, _hook)
+
+
+def uninstall() -> None:
+    """Restore the Trainer's methods (exactly: ``Trainer.__dict__`` as before) and remove the import hook."""
+    with _lock:
+        while _hook in sys.meta_path:
+            sys.meta_path.remove(_hook)
+        _installed.undo()
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect (the methods wrapped, or the hook waiting for the import)."""
+    with _lock:
+        if TARGET_MODULE not in sys.modules:
+            return _hook in sys.meta_path
+        return len(_installed) > 0
