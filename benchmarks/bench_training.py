@@ -6,18 +6,21 @@ Transformers' fused experts), ``mixtral`` with ``mixtral-linear-experts``, ``lla
 step is ``zero_grad(set_to_none=True)``, the language-model loss of a ``(4, 64)`` batch (``labels=input_ids``),
 backward and ``AdamW(lr=1e-4, weight_decay=0.1).step()``, after two warm-up steps (the optimizer state exists).
 
-Each (model, variant) runs in a fresh subprocess (one torch thread; glibc maps every tensor over 64 KiB on its own,
-``MALLOC_MMAP_THRESHOLD_``, so the RSS follows the live tensors), the variants interleaved, ``--repeats`` times;
-figures are medians. Printed per model:
+Step times: one subprocess per model holds every variant (unpatched, patched, and for linear experts the patched
+model with ``skip_idle_experts = True``), each with its own AdamW, and steps them round-robin on the same batches
+(one torch thread), so a change of the machine's load reaches all of them alike; the figure is the median over
+``--rounds`` rounds of the per-round ratio. Memory: each variant in a fresh subprocess (glibc maps every tensor
+over 64 KiB on its own, ``MALLOC_MMAP_THRESHOLD_``, so the RSS follows the live tensors), ``--repeats`` times,
+medians. Printed per model:
 
 * step time, patched / unpatched (target <= 1.10x);
-* peak RSS during the timed steps (model, optimizer state, activations, gradients), patched / unpatched (target
-  <= 1.05x), and the step's own extra memory (peak minus the RSS before the steps) of both;
+* training memory: the peak RSS over 3 steps after 2 warm-up steps, minus the RSS after the imports (weights,
+  AdamW state, gradients, activations), patched / unpatched (target <= 1.05x), and the whole-process peaks;
 * for linear experts, the share of the step spent giving idle experts (no token in the batch) their zero
-  gradients: the same patched model with ``skip_idle_experts = True`` on every ``LinearExperts`` (idle experts left
-  out of the graph) against the default, ``(default - skip) / default`` (target <= 2%), with the number of idle
-  (layer, expert) pairs per step; and the same share on a ``(1, 4)`` batch, where most experts are idle (shown, no
-  target).
+  gradients: the patched model with ``skip_idle_experts = True`` on every ``LinearExperts`` (idle experts left
+  out of the graph) against the default, ``1 - skip / default`` (target <= 2%), with the number of idle
+  (layer, expert) pairs per step (none idle: the fill never runs, the target is met by construction and the figure
+  shown is noise); and the same share on a ``(1, 4)`` batch, where most experts are idle (shown, no target).
 
     python benchmarks/bench_training.py [--rounds 10] [--repeats 2] [--only qwen2_moe mixtral llama]
 """
@@ -255,12 +258,18 @@ def main() -> int:
         if moe:
             share = 1 - 1 / _ratio(times, "patched", "skip")
             idle = statistics.median(times["patched"]["idle"])
+            never = not any(times["patched"]["idle"])
+            verdict = "PASS" if never else _verdict(share, TARGETS["idle"])
             print(
                 f"  idle-expert fill  {share * 100:6.2f}% of the step (skip_idle_experts=True {ms(times, 'skip'):.1f} ms;"
-                f" {idle:.0f} idle (layer, expert) pairs per step) (target <= {TARGETS['idle'] * 100:.0f}%) "
-                f"{_verdict(share, TARGETS['idle'])}"
+                f" {idle:.0f} idle (layer, expert) pairs per step) (target <= {TARGETS['idle'] * 100:.0f}%) {verdict}"
             )
-            missed += share > TARGETS["idle"]
+            if never:
+                print(
+                    "    (no expert was idle in any step: the fill never ran, both variants ran the same code, the "
+                    "figure is the machine's noise)"
+                )
+            missed += verdict != "PASS"
             small_share = 1 - 1 / _ratio(small, "patched", "skip")
             print(
                 f"    on a {SMALL_BATCH[0]} x {SMALL_BATCH[1]} batch: {small_share * 100:.1f}% of a "
