@@ -23,6 +23,12 @@ tests/test_training_parity.py):
   judged, and the keys both models store in the same layout are judged after the first step (from the second step
   on, the other tensors' different steps reach their gradients).
 
+A key beyond its bound is not yet a failure: both models (``float64=`` loader: fresh loads in float64, with
+Transformers' eager experts) take the same steps again in float64, where rounding is ~2e-9 of fp32's. A key within
+``bound x 1e-4`` there differs by fp32 rounding only (``fp32 rounding``: typically a key bias, whose gradient is zero
+in exact arithmetic because softmax ignores a constant shift of every score, so Adam's ``m / sqrt(v)`` turns pure
+rounding noise into steps of up to lr); a key still beyond it has ``DIVERGED``.
+
 Also recorded: which experts got no token in which step (the top-k indices each experts module of the unpatched
 model receives: a class decorated with Transformers' ``@use_experts_implementation``, or linear experts), and every
 trainable parameter of the patched model left with ``grad=None`` after a backward pass while the unpatched model
@@ -32,7 +38,8 @@ experts against the fused ``experts.gate_up_proj``). Such a parameter is skipped
 moment decay, no weight decay) where the original is stepped.
 
 Memory: besides both models, the unpatched model's weights before and after training are kept once each in the
-checkpoint layout (float32); the patched model's are streamed.
+checkpoint layout (float32); the patched model's are streamed. The float64 re-run, when there is one, loads both
+models again in float64 (four times the memory of one float32 model).
 """
 
 from __future__ import annotations
