@@ -23,6 +23,7 @@ Modules: the subcommands (each exposes ``add_parser(subparsers)`` and ``main(arg
 ``inputs``      deterministic inputs and the generated default checkpoint (``$MODELPATCH_CACHE``)
 ``provenance``  every parameter compared by value with the checkpoint tensor it came from
 ``quantize``    ``verify --quantization``: quantizer names, what was quantized, the quantized save round trip
+``train_check`` ``verify --train``: the same optimizer steps patched and unpatched, compared per checkpoint key
 ``render``      tables, JSON and plain-text help
 ``errors``      :class:`CliError` and the exit codes
 """

@@ -12,6 +12,11 @@ With ``--quantization NAME`` (see :mod:`.quantize`) two more: ``quantized`` (eve
 experts parameter left in full precision, outputs within the quantizer's usual error of the full-precision patched
 model) and ``quantized save`` (saved, reloaded pre-quantized with the recipe: the same outputs bit for bit).
 
+With ``--train`` (see :mod:`.train_check`) two more, after ``--steps`` steps of ``--optimizer`` on both models
+(float32) with generated tokens: ``training`` (every checkpoint key of the patched model within the optimizer's
+fp32-noise bound of the unpatched one, and the steps moved the weights beyond it) and ``gradients`` (no trainable
+parameter left with ``grad=None`` where the unpatched model has a gradient).
+
 With no ``--model`` and no ``--recipe``/``--patches`` it runs the founding document's full example (recipe
 ``qwen2_moe-full-example``) on the built-in tiny Qwen2-MoE checkpoint (see :mod:`.checkpoint`).
 
@@ -42,8 +47,10 @@ from .provenance import ParamSource, first_difference, parameter_provenance
 from .quantize import QUANTIZATIONS, QuantizedResult, quantization_config, run_quantized
 from .render import plain, section, strict_json, table
 from .sources import check_recipe_fits, config_names, resolve_patches
+from .train_check import DEFAULT_STEPS, DEFAULT_TOKENS, OPTIMIZERS, TrainResult, run_train_check
+from .train_check import render as render_training
 
-__all__ = ["Check", "VerifyResult", "run_verify", "converted_layout_error", "add_parser", "DTYPES"]
+__all__ = ["Check", "VerifyResult", "TrainSettings", "run_verify", "converted_layout_error", "add_parser", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +60,18 @@ class Check:
     name: str
     ok: bool
     detail: str
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What ``--train`` runs (see :func:`.train_check.run_train_check`): ``optimizer`` a name of
+    :data:`.train_check.OPTIMIZERS`, ``lr`` ``None`` for the optimizer's default."""
+
+    optimizer: str = "adamw"
+    steps: int = DEFAULT_STEPS
+    lr: float | None = None
+    tokens: int = DEFAULT_TOKENS
+    seed: int = 0
 
 
 @dataclass
@@ -75,6 +94,7 @@ class VerifyResult:
     round_trip: str | None = "not run"
     unfired_rules: list = field(default_factory=list)
     quantization: QuantizedResult | None = None
+    training: TrainResult | None = None
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -98,19 +118,20 @@ class VerifyResult:
             "load_seconds": self.load_seconds,
             "round_trip": {"bit_exact": self.round_trip is None, "first_difference": self.round_trip},
             "quantization": None if self.quantization is None else self.quantization.as_dict(),
+            "training": None if self.training is None else self.training.as_dict(),
             "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
         }
 
 
-def _timed_load(cls, path: str, dtype, recipe: Recipe | None):
+def _timed_load(cls, path: str, dtype, recipe: Recipe | None, **kwargs):
     start = time.perf_counter()
     if recipe is None:
-        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True)
+        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     else:
         # parameters the patch's rules leave unfilled are an error of a plain load; verify loads anyway to report
         # them (the "loading" and "provenance" checks fail, naming them)
         with allow_init_values(), recipe.apply():
-            model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True)
+            model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     return model.eval(), info, time.perf_counter() - start
 
 
@@ -130,17 +151,21 @@ def run_verify(
     progress: bool | None = None,
     source_args: str | None = None,
     quantization: str | None = None,
+    train: TrainSettings | None = None,
 ) -> VerifyResult:
     """Run every check of ``verify`` on ``model_dir`` with ``recipe``; returns the result (never exits).
 
     ``source_args`` is how the recipe was given on the command line (``--recipe NAME``, ``--patches FILE``; default
     ``--recipe <recipe.name>``), used in the advice of :func:`converted_layout_error`. ``quantization``: a name of
     :data:`.quantize.QUANTIZATIONS`; the quantized patched load is then measured too (:func:`.quantize.run_quantized`).
+    ``train``: also train both models and compare them (:func:`.train_check.run_train_check`; in float32: the
+    models of the other checks when ``dtype`` is float32, else two more loads).
 
     Raises:
         CliError: the folder is not a checkpoint, is already in the layout the recipe converts to (the unpatched
             reference would be random there), or a load itself fails (message of the error); an unknown
-            quantization or one whose backend is not installed.
+            quantization or one whose backend is not installed; bad ``train`` settings (before any load), or a
+            training step that fails.
     """
     from ..conversion import conversion_report
     from ..patching.report import patch_report
@@ -148,6 +173,8 @@ def run_verify(
     model_dir = checkpoint_dir(model_dir)
     if quantization is not None:
         quantization_config(quantization)  # an unknown name or a missing backend, before any load
+    if train is not None:
+        _check_train_settings(train)
     torch_dtype = DTYPES[dtype]
     atol = atol if atol is not None else (1e-5 if torch_dtype == torch.float32 else 2e-2)
     config = read_config(model_dir)
@@ -155,7 +182,11 @@ def run_verify(
     cls: Any = model_class(config)
     result = VerifyResult(model_dir, recipe.name, cls.__name__, dtype, atol=atol)
     steps = tqdm(
-        total=6, desc="modelpatch verify", unit="step", disable=None if progress is None else not progress, leave=False
+        total=6 + (train is not None),
+        desc="modelpatch verify",
+        unit="step",
+        disable=None if progress is None else not progress,
+        leave=False,
     )
     with steps, tempfile.TemporaryDirectory(prefix="modelpatch-verify-") as saved_dir:
         steps.set_postfix_str("vanilla load")
@@ -221,8 +252,51 @@ def run_verify(
             result.quantization = run_quantized(
                 cls, model_dir, recipe, torch_dtype, quantization, actual, inputs, model_output
             )
+        if train is not None:
+            steps.set_postfix_str(f"train ({train.optimizer})")
+            reference, trained = vanilla, patched
+            if torch_dtype != torch.float32:  # the bounds are fp32 rounding noise
+                del vanilla, patched
+                reference = _load_for_training(cls, model_dir, None, torch.float32)
+                trained = _load_for_training(cls, model_dir, recipe, torch.float32)
+            result.training = run_train_check(
+                reference,
+                trained,
+                float64=lambda: (
+                    _load_for_training(cls, model_dir, None, torch.float64),
+                    _load_for_training(cls, model_dir, recipe, torch.float64),
+                ),
+                optimizer=train.optimizer,
+                steps=train.steps,
+                lr=train.lr,
+                tokens=train.tokens,
+                seed=train.seed,
+            )
+            steps.update()
     result.checks = _checks(result, report)
     return result
+
+
+def _check_train_settings(train: TrainSettings) -> None:
+    """The ``--train`` settings :func:`.train_check.run_train_check` would refuse, refused before any load."""
+    if train.optimizer not in OPTIMIZERS:
+        raise CliError(f"--optimizer: unknown optimizer {train.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+    for name, value in (("--steps", train.steps), ("--tokens", train.tokens)):
+        if value < 1:
+            raise CliError(f"{name}: must be an integer >= 1, got {value}")
+    if train.lr is not None and not (math.isfinite(train.lr) and train.lr > 0):
+        raise CliError(f"--lr: must be a finite number > 0, got {train.lr}")
+
+
+def _load_for_training(cls, path: str, recipe: Recipe | None, dtype: torch.dtype):
+    """A fresh load for ``--train``; in float64 with Transformers' eager experts (``grouped_mm`` has no float64)."""
+    kwargs = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    try:
+        return _timed_load(cls, path, dtype, recipe, **kwargs)[0]
+    except Exception as exc:  # noqa: BLE001
+        which = "unpatched" if recipe is None else "patched"
+        name = str(dtype).removeprefix("torch.")
+        raise CliError(f"{name} {which} load of '{path}' for --train failed: {type(exc).__name__}: {exc}") from None
 
 
 def _rule_text(rule) -> str:
@@ -303,34 +377,91 @@ def _checks(result: VerifyResult, report) -> list[Check]:
     if result.unfired_rules:
         issues["rules that matched no checkpoint key"] = result.unfired_rules
     bad = [p for p in result.provenance if not p.ok]
-    return [
-        Check("patches", patch_ok, patch_detail),
-        Check(
-            "loading",
-            not issues,
-            "no new missing/unexpected/mismatched keys"
-            if not issues
-            else "; ".join(f"{k}: {v[:3]}{' ...' if len(v) > 3 else ''}" for k, v in issues.items()),
-        ),
-        Check(
-            "provenance",
-            not bad,
-            f"all {len(result.provenance)} parameters from the checkpoint"
-            if not bad
-            else f"{len(result.provenance) - len(bad)} of {len(result.provenance)} parameters from the checkpoint; first "
-            f"not: {bad[0].name} ({bad[0].status}: {bad[0].detail})",
-        ),
-        Check(
-            "outputs",
-            result.max_abs_diff <= result.atol,
-            f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})",
-        ),
-        Check(
-            "round trip",
-            result.round_trip is None,
-            "bit-exact" if result.round_trip is None else f"first difference: {result.round_trip}",
-        ),
-    ] + _quantization_checks(result.quantization)
+    return (
+        [
+            Check("patches", patch_ok, patch_detail),
+            Check(
+                "loading",
+                not issues,
+                "no new missing/unexpected/mismatched keys"
+                if not issues
+                else "; ".join(f"{k}: {v[:3]}{' ...' if len(v) > 3 else ''}" for k, v in issues.items()),
+            ),
+            Check(
+                "provenance",
+                not bad,
+                f"all {len(result.provenance)} parameters from the checkpoint"
+                if not bad
+                else f"{len(result.provenance) - len(bad)} of {len(result.provenance)} parameters from the checkpoint; first "
+                f"not: {bad[0].name} ({bad[0].status}: {bad[0].detail})",
+            ),
+            Check(
+                "outputs",
+                result.max_abs_diff <= result.atol,
+                f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})",
+            ),
+            Check(
+                "round trip",
+                result.round_trip is None,
+                "bit-exact" if result.round_trip is None else f"first difference: {result.round_trip}",
+            ),
+        ]
+        + _quantization_checks(result.quantization)
+        + _training_checks(result.training)
+    )
+
+
+def _training_checks(trained: TrainResult | None) -> list[Check]:
+    if trained is None:
+        return []
+    keys = len(trained.keys)
+    run = f"{trained.steps} {trained.optimizer} step(s)"
+    if trained.only_unpatched or trained.only_patched:
+        detail = (
+            f"checkpoint keys differ: only unpatched {trained.only_unpatched[:3]}, only patched "
+            f"{trained.only_patched[:3]}"
+        )
+        training = Check("training", False, detail)
+    elif trained.diverged:
+        worst = trained.diverged[0]
+        training = Check(
+            "training",
+            False,
+            f"after {run}: {len(trained.diverged)} of {keys} checkpoint keys beyond the bound {trained.bound:g}; "
+            f"largest {worst.key} {worst.judged:.3g}"
+            + (f" (float64 {worst.float64:.3g})" if worst.float64 is not None else ""),
+        )
+    elif not trained.compared:
+        training = Check(
+            "training",
+            False,
+            f"after {run} no weight moved more than the bound {trained.bound:g} (max {trained.max_moved:.3g}): "
+            "nothing told apart from noise; raise --lr or --steps",
+        )
+    else:
+        idle = sum(len(i.experts) for i in trained.idle)
+        rounding = trained.rounding
+        note = (
+            f"; {len(rounding)} more beyond it in float32 agree in float64 (fp32 rounding), e.g. {rounding[0].key}"
+            if rounding
+            else ""
+        )
+        training = Check(
+            "training",
+            True,
+            f"after {run}: max abs diff {trained.max_diff:.3g} over {keys} checkpoint keys (bound {trained.bound:g}, "
+            f"weights moved up to {trained.max_moved:.3g}){note}; {idle} idle expert-step(s)",
+        )
+    missing = trained.missing_grads
+    gradients = Check(
+        "gradients",
+        not missing,
+        "every trainable parameter got a gradient where the unpatched model's did"
+        if not missing
+        else f"{len(missing)} parameter(s) with grad=None that the unpatched model trains, e.g. {missing[0].parameter} "
+        f"(step(s) {', '.join(map(str, missing[0].steps))})",
+    )
+    return [training, gradients]
 
 
 def _quantization_checks(quantized: QuantizedResult | None) -> list[Check]:
@@ -409,6 +540,8 @@ def render(result: VerifyResult) -> str:
             ["reload max abs diff", str(result.quantization.round_trip_diff)],
         ]
         out.append(section(f"quantization ({result.quantization.name})", table(["", ""], rows)))
+    if result.training is not None:
+        out.append(render_training(result.training))
     times = result.load_seconds
     out.append(section("load times", table(["load", "seconds"], [[k, f"{v:.3f}"] for k, v in times.items()])))
     out.append(
@@ -435,6 +568,28 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _at_least_one(text: str) -> int:
+    """``--steps``, ``--tokens``: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _learning_rate(text: str) -> float:
+    """``--lr``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify",
@@ -452,14 +607,58 @@ def add_parser(subparsers) -> None:
         metavar="NAME",
         help=f"also load the patched model quantized and save it ({', '.join(QUANTIZATIONS)})",
     )
+    train = parser.add_argument_group("training (--train)")
+    train.add_argument(
+        "--train",
+        action="store_true",
+        help="also train both models the same steps (float32) and compare every checkpoint key",
+    )
+    train.add_argument("--steps", type=_at_least_one, help=f"optimizer steps with --train (default {DEFAULT_STEPS})")
+    train.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        help="optimizer with --train (default adamw; "
+        + ", ".join(f"{o.name}: {o.settings}" for o in OPTIMIZERS.values())
+        + ")",
+    )
+    train.add_argument(
+        "--lr",
+        type=_learning_rate,
+        help="learning rate with --train (default "
+        + ", ".join(f"{n} {o.default_lr:g}" for n, o in OPTIMIZERS.items())
+        + ")",
+    )
+    train.add_argument(
+        "--tokens", type=_at_least_one, help=f"generated tokens per step with --train (default {DEFAULT_TOKENS})"
+    )
+    train.add_argument("--seed", type=int, help="seed of the generated tokens with --train (default 0)")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=main)
 
 
+_TRAIN_OPTIONS = ("steps", "optimizer", "lr", "tokens", "seed")
+
+
+def _train_settings(args: argparse.Namespace) -> TrainSettings | None:
+    """``--train``'s settings, or ``None`` without ``--train``.
+
+    Raises:
+        CliError: a training option (``--steps``, ``--optimizer``, ...) given without ``--train``.
+    """
+    given = [f"--{name}" for name in _TRAIN_OPTIONS if getattr(args, name, None) is not None]
+    if not args.train:
+        if given:
+            raise CliError(f"{', '.join(given)} only apply with --train (add --train, or drop them)")
+        return None
+    values = {name: getattr(args, name) for name in _TRAIN_OPTIONS if getattr(args, name) is not None}
+    return TrainSettings(**values)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.quantization is not None:
         quantization_config(args.quantization)  # an unknown name, a missing backend: one line, before any load
+    train = _train_settings(args)
     if args.model is None and args.recipe is None and args.patches is None:
         recipe, model_dir = FULL_EXAMPLE, example_checkpoint()
     else:
@@ -483,6 +682,7 @@ def main(args: argparse.Namespace) -> int:
         progress=False if args.no_progress else None,
         source_args=source_args,
         quantization=args.quantization,
+        train=train,
     )
     print(strict_json(result.as_dict()) if args.json else render(result))
     return 0 if result.ok else EXIT_FAILED_CHECK
