@@ -112,14 +112,29 @@ class StateDictAnalysis:
         keys = {k for group, _ in self.converted for k in group.source_keys()}
         return keys | {p.source for p in self.placements} | set(self.renamed)
 
-    def missing_in_caller_layout(self) -> list[str]:
-        """:attr:`missing`, named in the layout the caller used: when any key was in the original layout, a missing
-        converted parameter is named by its sources (``q_proj.weight``, not ``qkv_proj.weight``), less the sources
-        given in part."""
+    def missing_in_caller_layout(self, keys: list[str] | None = None) -> list[str]:
+        """:attr:`missing` (or ``keys`` of it), named in the layout the caller used: when any key was in the
+        original layout, a missing converted parameter is named by its sources (``q_proj.weight``, not
+        ``qkv_proj.weight``), less the sources given in part."""
+        keys = list(self.missing) if keys is None else keys
         state = get_state(self.model)
-        if not self.foreign or state is None or not self.missing:
-            return list(self.missing)
-        return rename_missing(self.model, state, self.missing, {p.source for p in self.placements})
+        if not self.foreign or state is None or not keys:
+            return keys
+        return rename_missing(self.model, state, keys, {p.source for p in self.placements})
+
+    def untied_missing(self) -> list[str]:
+        """:attr:`missing` less the keys whose tensor shares its storage with a key that is provided (tied weights:
+        ``lm_head.weight`` when ``embed_tokens.weight`` is given), as ``safetensors.torch.load_model`` counts them."""
+        own = self.model.state_dict()
+        lost = set(self.missing)
+
+        def pointer(tensor):
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+                return None
+            return tensor.untyped_storage().data_ptr()
+
+        given = {pointer(t) for k, t in own.items() if k not in lost} - {None}
+        return [k for k in self.missing if pointer(own.get(k)) not in given or pointer(own.get(k)) is None]
 
     def convert(self) -> dict[str, torch.Tensor]:
         """``{model key: tensor}`` for every group given whole, converted from the tensors it was planned with (real
@@ -146,10 +161,17 @@ class StateDictAnalysis:
                 placement.target.copy_(placement.tensor)
         return {p.source for p in self.placements}
 
-    def strict_error(self, model_name: str, *, missing: bool = True) -> StateDictLayoutError | None:
+    def strict_error(
+        self, model_name: str, *, missing: bool = True, tied_count_as_given: bool = False
+    ) -> StateDictLayoutError | None:
         """The error a strict load raises before anything is written (``None`` when there is none), worded like
-        ``torch``'s (``Missing key(s) in state_dict: "k"``), with each unexpected key's shape and layout."""
-        lost = self.missing_in_caller_layout() if missing else []
+        ``torch``'s (``Missing key(s) in state_dict: "k"``), with each unexpected key's shape and layout.
+
+        ``missing=False``: only keys in neither layout count (accelerate's ``strict``); ``tied_count_as_given``: a
+        missing key tied to a given one does not count (:meth:`untied_missing`)."""
+        lost = []
+        if missing:
+            lost = self.missing_in_caller_layout(self.untied_missing() if tied_count_as_given else None)
         if not lost and not self.unexpected:
             return None
         lines = [f"Error(s) in loading state_dict for {model_name}:"]
@@ -270,7 +292,7 @@ def _plan_foreign(analysis: StateDictAnalysis, foreign: list, own: Mapping, base
         if key is None:
             continue  # not a parameter of this model: its sources stay unexpected keys, as torch reports them
         if tuple(shape) != tuple(analysis.shapes[key]):
-            raise ConversionShapeError(key, shape, analysis.shapes[key], repr(group.rule))
+            raise ConversionShapeError(key, shape, analysis.shapes[key], _from_sources(group))
         targets.setdefault(id(group), (group, []))[1].append((name, key))
     for _name, (_, _, group) in list(dry.items()):
         if id(group) not in targets and group.key in plan.groups:
@@ -298,6 +320,12 @@ def _plan_foreign(analysis: StateDictAnalysis, foreign: list, own: Mapping, base
             incomplete = [g for g in incomplete if g is not group]
     state = get_state(model)
     analysis.placements = _placements(model, incomplete, own, base, state)
+
+
+def _from_sources(group: _Group) -> str:
+    """The rule and the original-layout keys of ``group`` with their shapes, for a shape error."""
+    sources = ", ".join(_describe(k, o) for items in group.sources.values() for k, o in items)
+    return f"{group.rule!r}, from {sources} in the original layout"
 
 
 def _group_target(group: _Group, own: Mapping, base: str) -> str | None:
@@ -401,10 +429,10 @@ def _placements(model, incomplete: list, own: Mapping, base: str, state: Convers
                 shape = tuple(shape_of(tensor))
                 if inner is not None:
                     if offsets[pattern] + shape[inner] > target.shape[inner]:
-                        raise ConversionShapeError(key, shape, tuple(target.shape), repr(group.rule))
+                        raise ConversionShapeError(key, shape, tuple(target.shape), _from_sources(group))
                     target = target.narrow(inner, offsets[pattern], shape[inner])
                 if tuple(target.shape) != shape:
-                    raise ConversionShapeError(key, shape, tuple(target.shape), repr(group.rule))
+                    raise ConversionShapeError(key, shape, tuple(target.shape), _from_sources(group))
                 placed.append(Placement(source_key, key, target, tensor))
     return placed
 
@@ -495,8 +523,10 @@ def _read_tensor(file: str, key: str, cache: dict) -> torch.Tensor:
 class CheckpointConversion:
     """A checkpoint on disk given in the original layout, converted file by file into the model's layout for a
     loader that reads one file at a time (accelerate's ``load_checkpoint_in_model``): :meth:`convert_file` returns a
-    file's tensors with every group converted whole, reading the sources that other files hold when the first of
-    the group's files is loaded (a group split across shards is converted exactly once, at full size).
+    file's tensors with every group converted whole. A group split across files is converted once, when the first
+    of its files is loaded (the sources other files hold are read then), and every file that holds one of its
+    sources delivers its converted tensors (so no file's dict comes back empty; a loader writes them again, with
+    the same values); they are let go after the last of those files.
 
     Built from the headers (:func:`analyse_checkpoint`), so every check of :func:`analyse_state_dict` has run
     before the first tensor is read. Groups the checkpoint gives only in part stay as they are (the
@@ -508,7 +538,10 @@ class CheckpointConversion:
         self.files = [os.path.realpath(os.fspath(f)) for f in files]
         self.analysis, file_of = analyse_checkpoint(model, self.files)
         self.file_of = file_of
-        self._done: set[int] = set()
+        self._pending: dict[int, set[str]] = {
+            id(group): {file_of[s] for s in group.source_keys()} for group, _ in self.analysis.converted
+        }
+        self._outputs: dict[int, dict] = {}
 
     @property
     def partial(self) -> list[str]:
@@ -525,21 +558,24 @@ class CheckpointConversion:
         out = dict(tensors)
         cache: dict = {}
         for group, _ in self.analysis.converted:
+            pending = self._pending[id(group)]
+            if file not in pending:
+                continue
             sources = group.source_keys()
-            if not any(self.file_of.get(s) == file for s in sources):
-                continue
-            if id(group) in self._done:
+            if id(group) not in self._outputs:
+                here = [out[s] for s in sources if s in out]
+                device = here[0].device if here else torch.device("cpu")
+                collected = {}
                 for source in sources:
-                    out.pop(source, None)
-                continue
-            here = [out[s] for s in sources if s in out]
-            device = here[0].device if here else torch.device("cpu")
-            collected = {}
+                    tensor = out[source] if source in out else _read_tensor(self.file_of[source], source, cache)
+                    collected[source] = tensor.to(device)
+                self._outputs[id(group)] = self.analysis.convert_group(group, collected)
             for source in sources:
-                tensor = out.pop(source) if source in out else _read_tensor(self.file_of[source], source, cache)
-                collected[source] = tensor.to(device)
-            out.update(self.analysis.convert_group(group, collected))
-            self._done.add(id(group))
+                out.pop(source, None)
+            out.update(self._outputs[id(group)])
+            pending.discard(file)
+            if not pending:
+                del self._outputs[id(group)]
         for source, key in self.analysis.renamed.items():
             if source in out:
                 out[key] = out.pop(source)
