@@ -280,11 +280,21 @@ def _shape_or_none(value):
         return None
 
 
+def _load_rules(model) -> tuple[list, list]:
+    """The rules a state dict is converted with: the model's (then Transformers' built-in converters they leave,
+    after Transformers' renamings, as :func:`~modelpatch.conversion.load_converted_state_dict`), then those of the
+    alternative layouts the model was not loaded from (``ConversionState.also_loads``)."""
+    resolved, renamings = _resolve(model, None)
+    state = get_state(model)
+    others = [r for r in (state.also_loads if state is not None else []) if all(r is not x for x in resolved.rules)]
+    return resolved.rules + others, renamings
+
+
 def _plan_foreign(analysis: StateDictAnalysis, foreign: list, own: Mapping, base: str) -> None:
     model = analysis.model
-    resolved, renamings = _resolve(model, None)
+    rules, renamings = _load_rules(model)
     incomplete: list = []
-    plan = build_plan(foreign, resolved.rules, key_renamings=renamings, incomplete=incomplete)
+    plan = build_plan(foreign, rules, key_renamings=renamings, incomplete=incomplete)
     dry = plan.dry_run(analysis.shapes)  # as from_pretrained: the model's own shapes (a fused parameter's size)
     targets: dict = {}
     for name, (shape, _, group) in dry.items():
@@ -345,14 +355,18 @@ def _check_both_layouts(analysis: StateDictAnalysis, given: dict) -> None:
         claims.setdefault(placement.key, []).append(placement.source)
     for source, key in analysis.renamed.items():
         claims.setdefault(key, []).append(source)
+    twice = [(key, sources) for key, sources in claims.items() if key in analysis.direct]
+    if twice:
+        key, sources = twice[0]
+        more = [k for k, _ in twice[1:]]
+        also = f" (and {len(more)} more: {more[:5]}{' ...' if len(more) > 5 else ''})" if more else ""
+        raise StateDictLayoutError(
+            f"'{key}' is given twice: in the model's layout and from {sources} in the original layout, which name "
+            f"the same rows{also}. Which one is meant cannot be told (this is refused even when the values agree); "
+            "give one of them. Nothing was loaded.",
+            keys=[k for pair in twice for k in (pair[0], *pair[1])],
+        )
     for key, sources in claims.items():
-        if key in analysis.direct:
-            raise StateDictLayoutError(
-                f"'{key}' is given twice: in the model's layout and from {sources} in the original layout, which "
-                "name the same rows. Which one is meant cannot be told (this is refused even when the values "
-                "agree); give one of them. Nothing was loaded.",
-                keys=[key, *sources],
-            )
         if len(set(sources)) < len(sources) or (key in analysis.renamed.values() and len(sources) > 1):
             raise StateDictLayoutError(
                 f"'{key}' is given more than once in the original layout (from {sources}); give one of them. "

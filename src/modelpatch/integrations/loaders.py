@@ -119,12 +119,12 @@ def _make_load_sharded_checkpoint(original: Callable) -> Callable:
             weight_map = json.load(fh)["weight_map"]
         files = [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
         analysis, file_of = analyse_checkpoint(model, files)  # raises before anything is loaded
-        if not analysis.foreign:
-            return original(model, folder, strict, prefer_safe)
-        _check_groups_load_across_files(analysis, file_of, "load_sharded_checkpoint")
         error = analysis.strict_error(_model_name(model))
         if strict and error is not None:
             raise error
+        if not analysis.foreign:
+            return original(model, folder, strict, prefer_safe)
+        _check_groups_load_across_files(analysis, file_of, "load_sharded_checkpoint")
         original(model, folder, False, prefer_safe)  # shard by shard, through the load_state_dict hooks
         return torch.nn.modules.module._IncompatibleKeys(analysis.missing_in_caller_layout(), analysis.unexpected)
 
