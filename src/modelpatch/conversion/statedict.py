@@ -10,15 +10,22 @@ in a log line, and keep the old values: a silently wrong model.
 So a model that carries conversion state (:mod:`.state`: loaded or built with rules, bound, or patched in place)
 gets two hooks of ``torch.nn.Module``, registered on the instance (they follow it through ``copy.deepcopy``):
 
-* a *pre-hook* converts the keys of the incoming state dict that are not keys of the model through the same rules,
-  operations and reference shapes as :func:`~modelpatch.conversion.load_converted_state_dict` (the model's rules,
-  then Transformers' built-in converters they leave in place, after Transformers' renamings). Keys already in the
-  model's layout pass through untouched, so both layouts, and a mix, load; ``strict=True`` works as usual.
+* a *pre-hook* checks the incoming state dict and converts its keys that are not keys of the model through the
+  same rules, operations and reference shapes as :func:`~modelpatch.conversion.load_converted_state_dict` (the
+  model's rules, then Transformers' built-in converters they leave in place, after Transformers' renamings, then
+  the rules of the alternative layouts the model was not loaded from). The analysis is
+  :func:`.loaders.analyse_state_dict`. Keys already in the model's layout pass through untouched, so both layouts,
+  and a mix of different parameters, load; ``strict=True`` works as usual.
   A group given only in part (``load_sharded_checkpoint`` loads one shard at a time, and a fused group may span
   two shards; or a partial dict with ``strict=False``) is written straight into its rows of the fused parameter
   (q/k/v rows of ``qkv_proj``, one expert's slice of a stacked tensor), as vLLM's ``weight_loader`` does, and its
   absent sources are reported as missing keys; a rule whose rows cannot be told (other operations) raises.
-  A parameter given in both layouts in one call raises.
+  Everything that would fail is refused before any parameter is written, with
+  :class:`~.errors.StateDictLayoutError` (``torch`` itself copies what it can, then raises): the same rows named in
+  both layouts (``qkv_proj`` beside ``q_proj``, in either order, a whole group or a part, even with equal values),
+  a shape that fits no layout, and, when the caller passed ``strict=True`` (read from the ``load_state_dict``
+  frame: ``torch`` hands its hooks ``strict=True`` whatever the caller gave), keys in neither layout and missing
+  keys (named in the caller's layout).
 * a *post-hook* reports missing keys in the layout the caller used: when the state dict was in the original layout,
   a missing ``qkv_proj.weight`` is reported as its ``q_proj``/``k_proj``/``v_proj`` sources.
 

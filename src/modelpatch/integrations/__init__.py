@@ -7,6 +7,10 @@
                   PEFT's adapter conversion (per-expert LoRA targets and weights kept), and PEFT's LoRA layers are
                   seen through when a patched base model is saved; wrappers on PEFT's lazily imported
                   ``peft.utils.transformers_weight_conversion``, installed when it is imported
+``loaders``       the checkpoint loaders of other libraries on patched models (Transformers'
+                  ``load_sharded_checkpoint``, accelerate's ``load_checkpoint_in_model``, ``safetensors.torch.
+                  load_model``): the original layout loads exactly, or is refused before anything is written;
+                  installed with ``transformers``'
 ``trl``           :class:`~.trl.RoutingReplayGRPOTrainer`, GRPO with MoE routing replay (``pip install
                   "modelpatch[trl]"``; imported only when used)
 """
