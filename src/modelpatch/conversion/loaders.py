@@ -88,6 +88,9 @@ class StateDictAnalysis:
         placements: the sources of groups given in part (:class:`Placement`), already checked to fit.
         unexpected: keys in neither layout, in the order given.
         missing: model keys no given key provides (in the model's layout; see :meth:`missing_in_caller_layout`).
+        shapes: ``{model key: shape}`` (also without the base-model prefix), the reference the groups convert to.
+        shapes_given: ``{given key: shape}`` (``None`` for a value without one).
+        plan: the conversion plan of the original-layout keys (``None`` when there are none).
     """
 
     model: Any
