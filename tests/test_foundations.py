@@ -27,6 +27,7 @@ from modelpatch import (
     unregister_checkpoint_conversion_mapping,
     unregister_patch_mapping,
 )
+from modelpatch.integrations import loaders as loaders_integration
 from modelpatch.integrations import transformers as integration
 from modelpatch.recipes import get_recipe
 from modelpatch.undo import ABSENT, UndoStack
@@ -110,7 +111,7 @@ def test_every_error_has_the_modelpatch_base_and_keeps_its_builtin_base():
     with pytest.raises(ModelpatchError) as caught:
         unregister_checkpoint_conversion_mapping("never_registered")
     assert isinstance(caught.value, KeyError) and "never_registered" in str(caught.value)
-    for name in ("UnmatchedPatchKeyError", "ConversionError", "ConversionShapeError"):
+    for name in ("UnmatchedPatchKeyError", "ConversionError", "ConversionShapeError", "StateDictLayoutError"):
         assert issubclass(getattr(modelpatch, name), ModelpatchError)
     from modelpatch.routing import RoutingReplayError, RoutingTraceError
 
@@ -212,6 +213,7 @@ def test_uninstall_restores_transformers_exactly_and_install_puts_it_back(tmp_pa
     integration.uninstall()
     try:
         assert not integration.installed()
+        assert not loaders_integration.installed()  # load_sharded_checkpoint, load_model, accelerate's loader
         originals = {name: vars(PreTrainedModel)[name] for name in wrapped}
         assert all(originals[n] is not wrapped[n] for n in wrapped)
         assert type(_capturing._CAN_RECORD_REGISTRY) is _capturing._CanRecordRegistry

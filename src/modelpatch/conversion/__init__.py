@@ -4,7 +4,7 @@ Rules (:class:`WeightConverter`, :class:`WeightRenaming`) and operations map che
 model's parameter layout on load, and back to the original layout on save. Modules, bottom to top (each imports only
 modules above it in this list, and from outside the package only :mod:`modelpatch.errors` and :mod:`modelpatch.patching`):
 
-``errors``    :class:`ConversionError`, :class:`ConversionShapeError`, :class:`OptimizerStateError`
+``errors``    :class:`ConversionError`, :class:`ConversionShapeError`, :class:`OptimizerStateError, :class:`StateDictLayoutError``
 ``ops``       operations with exact inverses (``Concatenate``, ``Chunk``, ``MergeModulelist``, ...)
 ``rules``     rules with module-path-boundary matching; Transformers' rule classes rebuilt as ours
 ``overlap``   which rules touch the same parameters; keys already in a rule's target layout
@@ -26,6 +26,9 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``unloaded``  replacement parameters the checkpoint did not provide (:func:`allow_init_values`)
 ``report``    :func:`conversion_report`
 ``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
+``loaders``   which layout a state dict or a checkpoint's headers are in, for a model, and what loading them does
+              (:class:`StateDictLayoutError` before any write): the logic of ``statedict`` and of the loader wrappers
+              of :mod:`modelpatch.integrations.loaders`
 ``statedict`` ``model.load_state_dict`` in both layouts (hooks on every model that carries conversion state)
 ``optimizer`` optimizer state dicts in the original layout (:func:`original_optimizer_state_dict`) and back
               (:func:`load_original_optimizer_state_dict`): per-element state through the weights' rules
@@ -33,7 +36,7 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``hooks``     the only wrappers of Transformers functions (installed by :mod:`modelpatch.integrations`)
 """
 
-from .errors import ConversionError, ConversionShapeError, OptimizerStateError
+from .errors import ConversionError, ConversionShapeError, OptimizerStateError, StateDictLayoutError
 from .manual import load_converted_state_dict
 from .offline import convert_checkpoint
 from .ops import Chunk, Concatenate, Deinterleave, Interleave, MergeModulelist, SplitModulelist, SwapDims, Transpose
@@ -75,6 +78,7 @@ __all__ = [
     "OriginalLayoutIterator",
     "QuantizedSaveError",
     "SplitModulelist",
+    "StateDictLayoutError",
     "SwapDims",
     "Transpose",
     "WeightConverter",

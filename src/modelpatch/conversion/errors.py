@@ -33,6 +33,23 @@ class ConversionShapeError(ConversionError):
         )
 
 
+class StateDictLayoutError(ConversionError, RuntimeError):
+    """A state dict or checkpoint cannot be loaded exactly into a model that carries conversion rules: the same rows
+    named in both layouts (``qkv_proj`` beside ``q_proj``), a tensor whose shape fits no layout, or, with
+    ``strict=True``, keys in neither layout or keys missing.
+
+    Raised by ``model.load_state_dict`` (and the loaders built on it) before any parameter is written: the model is
+    left as it was. A ``RuntimeError`` too, as ``torch`` raises for a strict load.
+
+    Attributes:
+        keys: the keys at fault, as given (and the model keys they name).
+    """
+
+    def __init__(self, message: str, keys=()):
+        self.keys = tuple(keys)
+        super().__init__(message)
+
+
 class OptimizerStateError(ConversionError):
     """An optimizer state dict cannot be moved between a patched model's layout and the original one
     (:mod:`modelpatch.conversion.optimizer`). Raised before the optimizer is touched.

@@ -22,6 +22,7 @@ from .errors import ConversionError, ConversionShapeError
 from .plan import Plan, build_plan, shape_of
 from .quantized import fix_prequantized_metadata, prepare_prequantized_items, prequantized_companion
 from .reference import state_shapes
+from .rules import rule_layout
 from .state import ConversionState, set_state
 
 __all__ = ["prepare", "convert_and_load", "transformers_renamings"]
@@ -138,9 +139,11 @@ def prepare(
     # already in it (e.g. written by `modelpatch convert`): the model still saves the original layout
     fitting = rules_fitting_model(model, resolved, model_shapes)
     kept = plan.fired | {id(rule) for rule in (fitting.rules if fitting else ())}
-    kept = settle_layouts(resolved.rules, kept, plan.fired)  # alternative layouts: the checkpoint's own is saved
-    fired = [rule for rule in resolved.rules if id(rule) in kept]
-    state = ConversionState(fired, resolved.owner, recorded, plan.rows("load", resolved.owner, dry))
+    settled = settle_layouts(resolved.rules, kept, plan.fired)  # alternative layouts: the checkpoint's own is saved
+    fired = [rule for rule in resolved.rules if id(rule) in settled]
+    # the other layouts' rules, which load_state_dict still takes (a fused experts tensor into per-expert Linears)
+    others = [r for r in resolved.rules if id(r) not in settled and rule_layout(r) is not None]
+    state = ConversionState(fired, resolved.owner, recorded, plan.rows("load", resolved.owner, dry), also_loads=others)
     return plan, dry, state
 
 

@@ -15,13 +15,16 @@ STATE_ATTR = "_modelpatch_conversion"
 class ConversionState:
     """``rules``: resolved rule instances (scoped); ``owner``: ``id(rule) -> registry name``; ``recorded_shapes``:
     checkpoint key -> shape of every tensor a converter consumed (used to split back exactly); ``load_rows`` /
-    ``save_rows``: report rows of the last load and save."""
+    ``save_rows``: report rows of the last load and save; ``also_loads``: the rules of the alternative layouts
+    (:class:`~.rules.Layout`) the checkpoint was not in, which ``model.load_state_dict`` accepts too (never used on
+    save: the model saves the layout it was loaded from)."""
 
     rules: list
     owner: dict
     recorded_shapes: dict = field(default_factory=dict)
     load_rows: list = field(default_factory=list)
     save_rows: list = field(default_factory=list)
+    also_loads: list = field(default_factory=list)
 
 
 def get_state(model) -> ConversionState | None:

@@ -7,6 +7,10 @@
                   PEFT's adapter conversion (per-expert LoRA targets and weights kept), and PEFT's LoRA layers are
                   seen through when a patched base model is saved; wrappers on PEFT's lazily imported
                   ``peft.utils.transformers_weight_conversion``, installed when it is imported
+``loaders``       the checkpoint loaders of other libraries on patched models (Transformers'
+                  ``load_sharded_checkpoint``, accelerate's ``load_checkpoint_in_model``, ``safetensors.torch.
+                  load_model``): the original layout loads exactly, or is refused before anything is written;
+                  installed with ``transformers``'
 ``trainer``       ``transformers.Trainer``'s ``optimizer.pt`` in the original layout for patched models, converted on
                   resume (wrappers of ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``, installed
                   when ``transformers.trainer`` is imported)

@@ -41,6 +41,7 @@ from ..patching.provenance import BuildRecord, build_record, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..undo import UndoStack
+from . import loaders as loaders_integration
 from . import peft as peft_integration
 from . import trainer as trainer_integration
 
@@ -137,16 +138,17 @@ def _save_wrapper(original):
 
 
 _installed = UndoStack()
-_install_lock = threading.Lock()
+_install_lock = threading.RLock()  # install() may be re-entered (an integration that installs another)
 
 
 def install() -> None:
     """Install the wrappers on ``PreTrainedModel``, the output-recorder registry extension, the conversion
-    hooks, the PEFT integration (:mod:`.peft`) and the Trainer's optimizer checkpoint (:mod:`.trainer`) (idempotent;
-    :mod:`modelpatch` calls it on import)."""
+    hooks, the PEFT integration (:mod:`.peft`), the checkpoint loaders of other libraries (:mod:`.loaders`) and the
+    Trainer's optimizer checkpoint (:mod:`.trainer`) (idempotent; :mod:`modelpatch` calls it on import)."""
     with _install_lock:
         conversion_hooks.install()
         peft_integration.install()
+        loaders_integration.install()
         trainer_integration.install()
         if len(_installed):
             return
@@ -165,12 +167,13 @@ def install() -> None:
 
 def uninstall() -> None:
     """Remove everything :func:`install` put in place, exactly (``PreTrainedModel``'s class dictionary and the
-    recorder registry's class are as before import), the conversion hooks, the PEFT and Trainer integrations. Models built while installed keep
+    recorder registry's class are as before import), the conversion hooks, the PEFT and Trainer integrations and the loaders. Models built while installed keep
     what they recorded; a later :func:`install` puts everything back."""
     with _install_lock:
         _installed.undo()
         conversion_hooks.uninstall()
         peft_integration.uninstall()
+        loaders_integration.uninstall()
         trainer_integration.uninstall()
 
 
