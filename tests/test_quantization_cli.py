@@ -59,9 +59,16 @@ def test_bnb_4bit_fused_qkv_saves_the_patched_layout_and_says_why(llama, capsys)
     assert report["quantization"]["census"]["linear_quantized"] == 2 * 5  # qkv, o, gate, up, down per layer
 
 
-def test_fused_experts_left_by_the_recipe_fail_the_quantized_check(qwen3_moe, capsys):
-    """A recipe that leaves the experts fused: the census names them and the check fails (exit status 1)."""
-    code, report = verify(capsys, "--model", qwen3_moe, "--recipe", "llama-fused-qkv", "--quantization", "torchao-int8")
+def test_fused_experts_left_by_the_recipe_fail_the_quantized_check(qwen3_moe, capsys, tmp_path):
+    """Patches that leave the experts fused (an attention subclass): the census names them and the check fails
+    (exit status 1). (A recipe of another family is refused before any load: tests/test_cli.py.)"""
+    patches = tmp_path / "attention_only.py"
+    patches.write_text(
+        "from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention\n"
+        "class SameAttention(Qwen3MoeAttention):\n    pass\n"
+        "PATCH_MAPPING = {'Qwen3MoeAttention': SameAttention}\n"
+    )
+    code, report = verify(capsys, "--model", qwen3_moe, "--patches", str(patches), "--quantization", "torchao-int8")
     assert code == 1
     census = report["quantization"]["census"]
     assert census["expert_linear"] == 0 and census["fused_experts_full_precision"] == [
