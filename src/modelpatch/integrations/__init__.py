@@ -14,6 +14,8 @@
 ``trainer``       ``transformers.Trainer``'s ``optimizer.pt`` in the original layout for patched models, converted on
                   resume (wrappers of ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``, installed
                   when ``transformers.trainer`` is imported)
+``imports``       :class:`~.imports.PostImportHook`: a callback right after another library's module is imported
+                  (used by ``peft`` and ``trainer``)
 ``trl``           :class:`~.trl.RoutingReplayGRPOTrainer`, GRPO with MoE routing replay (``pip install
                   "modelpatch[trl]"``; imported only when used)
 """

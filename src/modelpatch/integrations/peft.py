@@ -46,7 +46,6 @@ never imports PEFT.
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 import threading
 from types import ModuleType
@@ -58,6 +57,7 @@ from transformers.utils import logging
 from ..conversion.compose import built_by_modelpatch, transforms_in_force
 from ..conversion.wrappers import register_wrapper_view, unwrapped_names, wrapper_bases
 from ..undo import UndoStack
+from .imports import PostImportHook
 
 __all__ = ["install", "uninstall", "installed", "TARGET_MODULE", "builtin_converters_in_force", "peft_wrapper_bases"]
 
@@ -166,45 +166,7 @@ def peft_wrapper_bases(model: nn.Module) -> dict[str, str]:
     return found
 
 
-# -- import hook -----------------------------------------------------------------------------------------------------
-class _Loader(importlib.abc.Loader):
-    """Delegates to the real loader; wraps the module once it has been executed."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _wrap(module)
-
-    def __getattr__(self, name):  # get_source, get_resource_reader, ...
-        return getattr(self._loader, name)
-
-
-class _ImportHook(importlib.abc.MetaPathFinder):
-    """Answers for :data:`TARGET_MODULE` only (``None`` for every other name, so other imports are untouched)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
-            return None
-        spec = None
-        for finder in list(sys.meta_path):
-            find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _Loader(spec.loader)
-        return spec
-
-
-_hook = _ImportHook()
+_hook = PostImportHook(TARGET_MODULE, _wrap)
 
 
 def install() -> None:
@@ -215,15 +177,14 @@ def install() -> None:
         module = sys.modules.get(TARGET_MODULE)
         if module is not None:
             _wrap(module)
-        elif _hook not in sys.meta_path:
-            sys.meta_path.insert(0, _hook)
+        else:
+            _hook.arm()
 
 
 def uninstall() -> None:
     """Restore PEFT's functions (those still wrapped by us), remove the import hook and the wrapper view."""
     with _lock:
-        while _hook in sys.meta_path:
-            sys.meta_path.remove(_hook)
+        _hook.disarm()
         module = sys.modules.get(TARGET_MODULE)
         if module is not None:
             _unwrap(module)
@@ -237,5 +198,5 @@ def installed() -> bool:
             return False
         module = sys.modules.get(TARGET_MODULE)
         if module is None:
-            return _hook in sys.meta_path
+            return _hook.armed
         return all(getattr(module, name, None) is wrapper for name, wrapper in _WRAPPERS.items())

@@ -28,7 +28,6 @@ else right after it is imported (an import hook answering for that one module na
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import sys
 import threading
 from types import ModuleType
@@ -43,6 +42,7 @@ from ..conversion.optimizer import (
     original_optimizer_state_dict,
 )
 from ..undo import UndoStack
+from .imports import PostImportHook
 
 __all__ = ["install", "uninstall", "installed", "TARGET_MODULE"]
 
@@ -127,44 +127,7 @@ def _wrap(module: ModuleType) -> None:
                 _installed.setattr(trainer, name, make(vars(trainer)[name]), raw=True)
 
 
-class _Loader(importlib.abc.Loader):
-    """Delegates to the real loader; wraps the module once it has been executed."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _wrap(module)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _ImportHook(importlib.abc.MetaPathFinder):
-    """Answers for :data:`TARGET_MODULE` only (``None`` for every other name)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
-            return None
-        spec = None
-        for finder in list(sys.meta_path):
-            find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _Loader(spec.loader)
-        return spec
-
-
-_hook = _ImportHook()
+_hook = PostImportHook(TARGET_MODULE, _wrap)
 
 
 def install() -> None:
@@ -173,15 +136,14 @@ def install() -> None:
         module = sys.modules.get(TARGET_MODULE)
         if module is not None:
             _wrap(module)
-        elif _hook not in sys.meta_path:
-            sys.meta_path.insert(0, _hook)
+        else:
+            _hook.arm()
 
 
 def uninstall() -> None:
     """Restore the Trainer's methods (exactly: ``Trainer.__dict__`` as before) and remove the import hook."""
     with _lock:
-        while _hook in sys.meta_path:
-            sys.meta_path.remove(_hook)
+        _hook.disarm()
         _installed.undo()
 
 
@@ -189,5 +151,5 @@ def installed() -> bool:
     """Whether :func:`install` is in effect (the methods wrapped, or the hook waiting for the import)."""
     with _lock:
         if TARGET_MODULE not in sys.modules:
-            return _hook in sys.meta_path
+            return _hook.armed
         return len(_installed) > 0

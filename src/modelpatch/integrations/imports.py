@@ -1,0 +1,78 @@
+"""Acting on a module of another library right after it is imported, without importing it ourselves.
+
+:class:`PostImportHook` is a :data:`sys.meta_path` finder that answers for one module name only (``None`` for every
+other name, so other imports are untouched): it finds the module's spec with the finders after it and wraps the
+spec's loader so that, once the module has executed, a callback runs on it (e.g. wrapping two of its functions).
+Used by :mod:`.peft` (``peft.utils.transformers_weight_conversion``) and :mod:`.trainer` (``transformers.trainer``),
+which both wrap lazily imported modules that importing modelpatch must not import.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+__all__ = ["PostImportHook"]
+
+
+class _Loader(importlib.abc.Loader):
+    """Delegates to the real loader; runs the callback on the module once it has been executed."""
+
+    def __init__(self, loader, on_import: Callable[[ModuleType], None]):
+        self._loader = loader
+        self._on_import = on_import
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._on_import(module)
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...
+        return getattr(self._loader, name)
+
+
+class PostImportHook(importlib.abc.MetaPathFinder):
+    """Runs ``on_import(module)`` right after the module named ``target`` is imported (while :meth:`arm` ed).
+
+    Args:
+        target: the full module name (``"transformers.trainer"``).
+        on_import: called with the executed module, before the import statement returns.
+    """
+
+    def __init__(self, target: str, on_import: Callable[[ModuleType], None]):
+        self.target = target
+        self.on_import = on_import
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.target:
+            return None
+        spec = None
+        for finder in list(sys.meta_path):
+            find_spec = getattr(finder, "find_spec", None)
+            if finder is self or find_spec is None:
+                continue
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _Loader(spec.loader, self.on_import)
+        return spec
+
+    def arm(self) -> None:
+        """Put the hook first on :data:`sys.meta_path` (idempotent)."""
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def disarm(self) -> None:
+        """Take the hook off :data:`sys.meta_path`."""
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    @property
+    def armed(self) -> bool:
+        return self in sys.meta_path
