@@ -144,12 +144,19 @@ def _assert_unchanged(model, before) -> None:
 # stay fused, in full precision, under every quantizer: only the quantizer is named)
 QUANTIZED_PART = {
     "bnb-8bit": "'model.layers.0.self_attn.q_proj' (Linear8bitLt)",
+    "bnb-4bit": "'model.layers.0.self_attn.q_proj' (Linear4bit)",
+    "quanto-int8": "'model.layers.0.self_attn.q_proj' (QLinear)",
     "torchao-int8": "'model.layers.0.self_attn.q_proj.weight' (Int8Tensor, torch.float32)",
 }
-LABEL = {"bnb-8bit": "bitsandbytes 8-bit", "torchao-int8": "torchao Int8WeightOnlyConfig"}
+LABEL = {
+    "bnb-8bit": "bitsandbytes 8-bit",
+    "bnb-4bit": "bitsandbytes 4-bit",
+    "quanto-int8": "quanto int8",
+    "torchao-int8": "torchao Int8WeightOnlyConfig",
+}
 
 
-@pytest.mark.parametrize("quantizer", ["bnb-8bit", "torchao-int8"])
+@pytest.mark.parametrize("quantizer", list(WEIGHT_CLASS))
 @pytest.mark.parametrize("recipe", ["qwen2_moe-linear-experts", "llama-fused-qkv"])
 def test_patching_a_model_quantized_by_transformers_is_refused_up_front(checkpoints, recipe, quantizer):
     model = AutoModelForCausalLM.from_pretrained(
@@ -184,6 +191,6 @@ def test_patching_modules_quantized_in_place_is_refused():
     assert message.startswith(
         "cannot patch LlamaForCausalLM: it holds quantized weights; the modules to replace hold "
         f"{QUANTIZED_PART['torchao-int8']}, 'model.layers.0.self_attn.k_proj.weight' (Int8Tensor, torch.float32), "
-        "'model.layers.0.self_attn.v_proj.weight' (Int8Tensor, torch.float32) ..."
+        "'model.layers.0.self_attn.v_proj.weight' (Int8Tensor, torch.float32) and 5 more. "
     )
     _assert_unchanged(model, before)

@@ -426,7 +426,8 @@ def _refuse_quantized(model: nn.Module, targets: Sequence[_Target]) -> None:
         return
     what = f"it was loaded quantized ({label})" if label is not None else "it holds quantized weights"
     if parts:
-        what += f"; the modules to replace hold {', '.join(parts[:3])}{' ...' if len(parts) > 3 else ''}"
+        what += f"; the modules to replace hold {', '.join(parts[:3])}"
+        what += f" and {len(parts) - 3} more" if len(parts) > 3 else ""
     raise InstancePatchError(
         f"cannot patch {type(model).__name__}: {what}. patch_model converts full-precision weights only, and "
         "builds full-precision replacements. Load the model patched and quantized in one go instead: `with "
