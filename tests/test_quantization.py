@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from modelpatch import InstancePatchError, ModelpatchError, patch_report
 from modelpatch.recipes import get_recipe
 from quantization_support import (
     CASES,
@@ -110,3 +111,86 @@ def test_fused_qkv_is_quantized_from_the_concatenated_rows(checkpoints, full_pre
     with torch.no_grad():
         logits = model(IDS).logits
     assert (logits - reference).abs().max() <= LOGITS_ATOL[quantizer]
+
+
+def _bits(value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Every plain tensor ``value`` is made of (a tensor subclass such as torchao's ``Int8Tensor``: its flattened
+    components), for a bit-for-bit comparison."""
+    flatten = getattr(type(value), "__tensor_flatten__", None)
+    if flatten is None:
+        return [(type(value).__name__, value.detach().clone())]
+    names, _ = value.__tensor_flatten__()
+    return [(f"{type(value).__name__}.{name}", part) for name in names for _, part in _bits(getattr(value, name))]
+
+
+def _snapshot(model) -> tuple[list, dict]:
+    modules = [(name, type(m), id(m)) for name, m in model.named_modules()]
+    state = {key: _bits(value) for key, value in model.state_dict().items()}
+    return modules, state
+
+
+def _assert_unchanged(model, before) -> None:
+    modules, state = _snapshot(model)
+    assert modules == before[0]
+    assert state.keys() == before[1].keys()
+    for key, parts in state.items():
+        old = before[1][key]
+        assert [n for n, _ in parts] == [n for n, _ in old], key
+        for (_, new), (_, was) in zip(parts, old, strict=True):
+            assert new.dtype == was.dtype and torch.equal(new, was), key
+
+
+# what names the quantized modules the fused-QKV recipes would replace (the experts of the linear-experts recipes
+# stay fused, in full precision, under every quantizer: only the quantizer is named)
+QUANTIZED_PART = {
+    "bnb-8bit": "'model.layers.0.self_attn.q_proj' (Linear8bitLt)",
+    "bnb-4bit": "'model.layers.0.self_attn.q_proj' (Linear4bit)",
+    "quanto-int8": "'model.layers.0.self_attn.q_proj' (QLinear)",
+    "torchao-int8": "'model.layers.0.self_attn.q_proj.weight' (Int8Tensor, torch.float32)",
+}
+LABEL = {
+    "bnb-8bit": "bitsandbytes 8-bit",
+    "bnb-4bit": "bitsandbytes 4-bit",
+    "quanto-int8": "quanto int8",
+    "torchao-int8": "torchao Int8WeightOnlyConfig",
+}
+
+
+@pytest.mark.parametrize("quantizer", list(WEIGHT_CLASS))
+@pytest.mark.parametrize("recipe", ["qwen2_moe-linear-experts", "llama-fused-qkv"])
+def test_patching_a_model_quantized_by_transformers_is_refused_up_front(checkpoints, recipe, quantizer):
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoints[recipe], quantization_config=quantization_config(quantizer)
+    )
+    before = _snapshot(model)
+    with pytest.raises(InstancePatchError) as raised:
+        get_recipe(recipe).patch(model)
+    message = str(raised.value)
+    assert message.startswith(f"cannot patch {type(model).__name__}: it was loaded quantized ({LABEL[quantizer]})")
+    assert (QUANTIZED_PART[quantizer] in message) == recipe.endswith("fused-qkv")
+    assert "with recipe.apply(): AutoModelForCausalLM.from_pretrained(path, quantization_config=...)" in message
+    assert message.endswith("The model was not modified.")
+    assert isinstance(raised.value, ModelpatchError)
+    _assert_unchanged(model, before)
+    assert patch_report(model).rows == []
+
+
+def test_patching_modules_quantized_in_place_is_refused():
+    """No ``hf_quantizer``: torchao's ``quantize_`` on a built model; the quantized weights of the modules to replace
+    are found structurally."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CASES["llama-fused-qkv"]())
+    quantize_(model, Int8WeightOnlyConfig())
+    assert getattr(model, "hf_quantizer", None) is None
+    before = _snapshot(model)
+    with pytest.raises(InstancePatchError) as raised:
+        get_recipe("llama-fused-qkv").patch(model)
+    message = str(raised.value)
+    assert message.startswith(
+        "cannot patch LlamaForCausalLM: it holds quantized weights; the modules to replace hold "
+        f"{QUANTIZED_PART['torchao-int8']}, 'model.layers.0.self_attn.k_proj.weight' (Int8Tensor, torch.float32), "
+        "'model.layers.0.self_attn.v_proj.weight' (Int8Tensor, torch.float32) and 5 more. "
+    )
+    _assert_unchanged(model, before)

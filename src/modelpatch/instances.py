@@ -377,6 +377,65 @@ def _refuse_dispatched(path: str, module: nn.Module) -> None:
             )
 
 
+_QUANTIZER_MODULES = ("bitsandbytes", "optimum.quanto", "torchao")
+
+
+def _quantizer_name(model: nn.Module) -> str | None:
+    """The quantizer Transformers loaded ``model`` with (``"bitsandbytes 8-bit"``, ``"torchao Int8WeightOnlyConfig"``,
+    ...), from ``model.hf_quantizer``, ``model.config.quantization_config`` or ``model.is_quantized``; ``None``: not
+    loaded quantized."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and getattr(quantizer, "quantization_config", None) is not None:
+        from .conversion.quantized import quantizer_label
+
+        return quantizer_label(quantizer)
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if config is not None:
+        method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+        return str(getattr(method, "value", method) or type(config).__name__)
+    if getattr(model, "is_quantized", False) is True:
+        return "a quantizer"
+    return None
+
+
+def _quantized_parts(path: str, module: nn.Module) -> list[str]:
+    """What in ``module`` (at ``path``) is held quantized: quantizer layer classes (bitsandbytes ``Linear8bitLt``,
+    quanto ``QLinear``, ...) and parameters that are not plain floating-point tensors (``Int8Tensor``,
+    ``Int8Params``, integer data)."""
+    parts: list[str] = []
+    for sub_path, sub in module.named_modules():
+        where = f"{path}.{sub_path}" if sub_path else path
+        cls = type(sub)
+        if any(cls.__module__ == name or cls.__module__.startswith(name + ".") for name in _QUANTIZER_MODULES):
+            parts.append(f"'{where}' ({cls.__name__})")
+            continue
+        for name, param in sub.named_parameters(recurse=False):
+            if type(param) not in (torch.Tensor, nn.Parameter) or not param.is_floating_point():
+                parts.append(f"'{where}.{name}' ({type(param).__name__}, {param.dtype})")
+    return parts
+
+
+def _refuse_quantized(model: nn.Module, targets: Sequence[_Target]) -> None:
+    """Raise :class:`InstancePatchError` when ``model`` was loaded quantized by Transformers, or a module to replace
+    holds quantized layers or weights: the conversion operations work on full-precision tensors (concatenating
+    quantized rows, stacking ``Int8Tensor`` experts fail or are wrong), and a replacement built in full precision
+    would leave those weights unquantized in a model its quantizer calls quantized."""
+    label = _quantizer_name(model)
+    parts = [part for target in targets for part in _quantized_parts(target.path, target.module)]
+    if label is None and not parts:
+        return
+    what = f"it was loaded quantized ({label})" if label is not None else "it holds quantized weights"
+    if parts:
+        what += f"; the modules to replace hold {', '.join(parts[:3])}"
+        what += f" and {len(parts) - 3} more" if len(parts) > 3 else ""
+    raise InstancePatchError(
+        f"cannot patch {type(model).__name__}: {what}. patch_model converts full-precision weights only, and "
+        "builds full-precision replacements. Load the model patched and quantized in one go instead: `with "
+        "recipe.apply(): AutoModelForCausalLM.from_pretrained(path, quantization_config=...)` (the quantizer then "
+        "quantizes the replacements' weights), or call patch_model before quantizing. The model was not modified."
+    )
+
+
 # -- constructor arguments --------------------------------------------------------------------------------------
 _MISSING: Any = object()
 _SCALARS = (int, float, str, bool, type(None))
@@ -643,8 +702,9 @@ def patch_model(
     :func:`~modelpatch.patch_report` lists them with ``via='patch_model'``).
 
     Raises:
-        InstancePatchError: the model is wrapped (PEFT, DDP, FSDP, ``torch.compile``), a module to replace is already
-            a replacement, carries accelerate hooks or offloaded (meta) tensors, has a constructor argument that
+        InstancePatchError: the model is wrapped (PEFT, DDP, FSDP, ``torch.compile``) or was loaded quantized by
+            Transformers (``hf_quantizer``: load it with ``quantization_config`` inside the recipe instead), a module
+            to replace holds quantized layers or weights, or is already a replacement, carries accelerate hooks or offloaded (meta) tensors, has a constructor argument that
             cannot be recovered, has a parameter tied outside it whose layout changes; or the model itself matches.
         UnmatchedPatchKeyError: ``strict`` and a key matches no module class of the model.
         ConversionError, ConversionShapeError: the rules produce keys or shapes the replacement does not have, an
@@ -663,6 +723,7 @@ def patch_model(
     patch = ModelPatch(model, None, keep_original)
     if not targets:
         return patch
+    _refuse_quantized(model, targets)
     with scope:
         user = resolve_model_rules(model) or ResolvedRules()
         strict_rules = strict or user.strict
