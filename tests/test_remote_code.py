@@ -92,3 +92,38 @@ def test_remote_code_class_is_replaced(tmp_path):
         # weights loaded from the checkpoint into the replacement: output is exactly the vanilla path x2 per block
         expected = vanilla.blocks[1](vanilla.blocks[0](x) * 2) * 2
         assert torch.allclose(patched(x), expected, atol=1e-6)
+
+
+def test_cli_runs_remote_code_only_with_the_flag_and_never_prompts(tmp_path, capsys, monkeypatch):
+    """Without --trust-remote-code a remote-code checkpoint is one line naming the flag (exit 2; it prompted on
+    stdin, then blamed config.json); with it, the command runs the checkpoint's code."""
+    from modelpatch.cli import main
+
+    write_remote_repo(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)
+    AutoModel.from_config(config, trust_remote_code=True).save_pretrained(tmp_path)
+    patches = tmp_path / "patches.py"
+    patches.write_text(
+        "import torch.nn as nn\n"
+        "class SameBlock(nn.Module):\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__()\n"
+        "        self.proj = nn.Linear(config.hidden_size, config.hidden_size)\n"
+        "    def forward(self, x):\n"
+        "        return self.proj(x)\n"
+        "PATCH_MAPPING = {'TinyRemoteBlock': SameBlock}\n"
+    )
+
+    def no_prompt(*args, **kwargs):
+        raise AssertionError("the command read stdin")
+
+    monkeypatch.setattr("builtins.input", no_prompt)
+    base = ["explain", "--model", str(tmp_path), "--patches", str(patches)]
+    for argv in (base, ["verify", "--model", str(tmp_path), "--patches", str(patches)]):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "pass --trust-remote-code" in err and "auto_map" in err, err
+    assert main([*base, "--trust-remote-code", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["replaced"] == {"TinyRemoteBlock": {"TinyRemoteBlock -> SameBlock": 2}}

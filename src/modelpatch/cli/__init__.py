@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from . import convert, explain, routing_check, verify
+from .checkpoint import trusting_remote_code
 from .errors import EXIT_USAGE, CliError
 from .sandbox import CommandSandbox
 
@@ -105,7 +106,7 @@ def _quiet_transformers():
 
 
 def _run(args: argparse.Namespace) -> int:
-    with _quiet_transformers(), CommandSandbox():
+    with _quiet_transformers(), CommandSandbox(), trusting_remote_code(getattr(args, "trust_remote_code", False)):
         return args.handler(args)
 
 

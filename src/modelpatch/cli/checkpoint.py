@@ -8,16 +8,23 @@ drawn from a seeded generator, so it is bit-identical on every machine. It is wr
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 
 from .errors import CliError
 
 __all__ = [
+    "add_trust_remote_code",
+    "remote_code_kwargs",
+    "trusting_remote_code",
     "checkpoint_dir",
     "checkpoint_files",
     "checkpoint_keys",
@@ -124,16 +131,59 @@ def checkpoint_dir(path: str | os.PathLike) -> str:
     return path
 
 
+_TRUST_REMOTE_CODE: ContextVar[bool] = ContextVar("modelpatch_cli_trust_remote_code", default=False)
+
+
+def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+    """The ``--trust-remote-code`` option of every subcommand that loads a checkpoint."""
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the checkpoint's own modeling code (config.json auto_map), as from_pretrained(trust_remote_code=True)",
+    )
+
+
+@contextlib.contextmanager
+def trusting_remote_code(enabled: bool) -> Iterator[None]:
+    """While the block runs (this context only), the command's loads pass ``trust_remote_code=enabled``."""
+    token = _TRUST_REMOTE_CODE.set(enabled)
+    try:
+        yield
+    finally:
+        _TRUST_REMOTE_CODE.reset(token)
+
+
+def remote_code_kwargs() -> dict:
+    """``{"trust_remote_code": ...}`` for the command's ``from_pretrained`` calls: always explicit, so Transformers
+    never prompts on stdin."""
+    return {"trust_remote_code": _TRUST_REMOTE_CODE.get()}
+
+
+def _refuse_untrusted_remote_code(path: str | os.PathLike) -> None:
+    try:
+        with open(os.path.join(os.fspath(path), "config.json")) as fh:
+            auto_map = json.load(fh).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # AutoConfig reports an unreadable config.json
+    if auto_map and not _TRUST_REMOTE_CODE.get():
+        raise CliError(
+            f"'{os.fspath(path)}' needs its own modeling code (config.json auto_map: "
+            f"{', '.join(sorted(auto_map))}): pass --trust-remote-code to run it"
+        )
+
+
 def read_config(path: str | os.PathLike):
     """``AutoConfig.from_pretrained(path)`` for a folder already checked to hold ``config.json``.
 
     Raises:
-        CliError: the config cannot be read (invalid JSON, unknown ``model_type``, ...), as one line.
+        CliError: the config cannot be read (invalid JSON, unknown ``model_type``, ...), or it needs remote code
+            and ``--trust-remote-code`` was not given, as one line.
     """
     from transformers import AutoConfig
 
+    _refuse_untrusted_remote_code(path)
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, **remote_code_kwargs())
     except (OSError, ValueError, KeyError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CliError(f"cannot read '{os.path.join(os.fspath(path), 'config.json')}': {first}") from None

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 
+from .checkpoint import add_trust_remote_code
 from .errors import CliError
 from .render import plain, table
 from .sources import check_recipe_fits, resolve_patches
@@ -41,6 +42,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model-type", metavar="NAME", help="registry name of the rules (default: config.json)")
     parser.add_argument("--reverse", action="store_true", help="converted layout -> original layout")
     parser.add_argument("--json", action="store_true")
+    add_trust_remote_code(parser)
     parser.set_defaults(handler=main)
 
 

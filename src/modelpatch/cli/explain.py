@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import checkpoint_keys, model_class, read_config
+from .checkpoint import add_trust_remote_code, checkpoint_keys, model_class, read_config, remote_code_kwargs
 from .errors import CliError
 from .render import plain, section, strict_json, table
 from .sources import check_recipe_fits, config_names, resolve_patches
@@ -46,7 +46,7 @@ def _build_on_meta(config):
     cls: Any = model_class(config)
     with torch.device("meta"):
         if cls is transformers.AutoModel:
-            return transformers.AutoModel.from_config(config)
+            return transformers.AutoModel.from_config(config, **remote_code_kwargs())
         return cls._from_config(config)
 
 
@@ -140,6 +140,7 @@ def add_parser(subparsers) -> None:
     source.add_argument("--recipe", metavar="NAME")
     source.add_argument("--patches", metavar="MODULE_OR_FILE")
     parser.add_argument("--json", action="store_true")
+    add_trust_remote_code(parser)
     parser.set_defaults(handler=main)
 
 

@@ -30,7 +30,9 @@ def model_inputs(model_dir: str, config) -> tuple[dict, str]:
     if has_tokenizer(model_dir):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        from .checkpoint import remote_code_kwargs
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **remote_code_kwargs())
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         encoded = tokenizer(list(SENTENCES), padding=True, return_tensors="pt")

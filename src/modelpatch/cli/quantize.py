@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..conversion.quantized import BNB_LAYERS, QuantizedSaveError, fused_experts_left_unquantized, is_quantized
+from .checkpoint import remote_code_kwargs
 from .errors import CliError
 
 __all__ = [
@@ -202,7 +203,9 @@ def run_quantized(
     result = QuantizedResult(name, atol=atol)
     try:
         with recipe.apply():
-            model = cls.from_pretrained(model_dir, dtype=dtype, quantization_config=config).eval()
+            model = cls.from_pretrained(
+                model_dir, dtype=dtype, quantization_config=config, **remote_code_kwargs()
+            ).eval()
     except Exception as exc:  # noqa: BLE001 - the loader's message is the answer
         raise CliError(
             f"quantized ({name}) patched load of '{model_dir}' failed: {type(exc).__name__}: {exc}"
@@ -224,7 +227,7 @@ def run_quantized(
             result.save_note = str(exc).split(" - ")[0]
             return result
         with recipe.apply():
-            reloaded = cls.from_pretrained(saved, dtype=dtype).eval()
+            reloaded = cls.from_pretrained(saved, dtype=dtype, **remote_code_kwargs()).eval()
         again, _ = output(reloaded, inputs)
         result.round_trip_diff = float((again - actual).abs().max()) if again.shape == actual.shape else float("inf")
     return result

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import add_trust_remote_code
 from .errors import CliError
 from .render import section, strict_json
 
@@ -44,6 +45,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--recipe", help="load the model with this recipe (e.g. qwen3_moe-linear-experts)")
     parser.add_argument("--plot", metavar="PNG", help="write a per-layer disagreement chart to this file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_trust_remote_code(parser)
     parser.set_defaults(handler=main)
 
 
@@ -129,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
         record_routing,
         replay_routing,
     )
-    from .checkpoint import checkpoint_dir, model_class, read_config
+    from .checkpoint import checkpoint_dir, model_class, read_config, remote_code_kwargs
     from .sources import check_recipe_fits, config_names
 
     # one-line errors for a folder that is not a checkpoint
@@ -148,9 +150,9 @@ def main(args: argparse.Namespace) -> int:
     ids, mask = _inputs(args, stored)
     if recipe is not None:
         with recipe.apply():
-            model = cls.from_pretrained(args.model)
+            model = cls.from_pretrained(args.model, **remote_code_kwargs())
     else:
-        model = cls.from_pretrained(args.model)
+        model = cls.from_pretrained(args.model, **remote_code_kwargs())
     model.eval()
     try:
         if isinstance(routes, RoutingTrace):

@@ -40,7 +40,15 @@ from tqdm import tqdm
 from ..conversion.compose import settle_layouts
 from ..conversion.unloaded import allow_init_values
 from ..recipes import FULL_EXAMPLE, Recipe
-from .checkpoint import checkpoint_dir, checkpoint_keys, example_checkpoint, model_class, read_config
+from .checkpoint import (
+    add_trust_remote_code,
+    checkpoint_dir,
+    checkpoint_keys,
+    example_checkpoint,
+    model_class,
+    read_config,
+    remote_code_kwargs,
+)
 from .errors import EXIT_FAILED_CHECK, CliError
 from .inputs import model_inputs, model_output
 from .provenance import ParamSource, first_difference, parameter_provenance
@@ -126,12 +134,14 @@ class VerifyResult:
 def _timed_load(cls, path: str, dtype, recipe: Recipe | None, **kwargs):
     start = time.perf_counter()
     if recipe is None:
-        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
+        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **remote_code_kwargs(), **kwargs)
     else:
         # parameters the patch's rules leave unfilled are an error of a plain load; verify loads anyway to report
         # them (the "loading" and "provenance" checks fail, naming them)
         with allow_init_values(), recipe.apply():
-            model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
+            model, info = cls.from_pretrained(
+                path, dtype=dtype, output_loading_info=True, **remote_code_kwargs(), **kwargs
+            )
     return model.eval(), info, time.perf_counter() - start
 
 
@@ -244,7 +254,7 @@ def run_verify(
         steps.update()
 
         steps.set_postfix_str("round trip")
-        plain = cls.from_pretrained(saved_dir, dtype=torch_dtype).eval()
+        plain = cls.from_pretrained(saved_dir, dtype=torch_dtype, **remote_code_kwargs()).eval()
         result.round_trip = first_difference(plain.state_dict(), vanilla.state_dict())
         steps.update()
         if quantization is not None:
@@ -634,6 +644,7 @@ def add_parser(subparsers) -> None:
     train.add_argument("--seed", type=int, help="seed of the generated tokens with --train (default 0)")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_trust_remote_code(parser)
     parser.set_defaults(handler=main)
 
 

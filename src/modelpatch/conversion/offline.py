@@ -36,7 +36,8 @@ def _config_reference_shapes(src: str) -> dict:
 
     def build():
         try:
-            config = transformers.AutoConfig.from_pretrained(src)
+            # never the checkpoint's own code (and never a prompt): explicit Chunk sizes are then required
+            config = transformers.AutoConfig.from_pretrained(src, trust_remote_code=False)
             cls = getattr(transformers, (config.architectures or [""])[0])
             with torch.device("meta"):
                 model = cls(copy.deepcopy(config))
