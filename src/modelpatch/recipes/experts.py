@@ -47,15 +47,13 @@ quantised weights and PEFT wrappers see each call) and equal the eager forward w
 gradients within 1e-5):
 
 - ``"sparse"``: a fixed loop over all ``E`` experts, expert ``e`` applied to exactly the tokens routed to it
-  (``torch.where(top_k_index == e)``), weighted and summed with ``index_add_`` as in eager. The number of those
-  tokens depends on the routing, so the graph is whole only with
-  ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``: then 0 graph breaks and, with
-  ``torch.compile(..., dynamic=True)`` (or ``mark_dynamic`` on the sequence dimension), no recompilation per
-  sequence length. Without that option the remaining breaks are the ``nonzero`` behind each ``torch.where``
-  (Dynamo's "Dynamic shape operator", one per expert, plus the frames above it that Dynamo splits there
-  unless ``torch._dynamo.config.nested_graph_breaks`` is set); ``fullgraph=True`` then fails. Transformers'
-  own fused experts avoid this with a ``grouped_mm`` over stacked weights (and a custom operator on CPU), which
-  per-expert modules cannot use without bypassing the modules.
+  (the positions of ``top_k_index == e``), weighted and summed with ``index_add_`` as in eager. The number of those
+  tokens depends on the routing: the positions come from one operator, ``modelpatch::expert_positions``, whose
+  size is unbacked, so the graph is whole (0 graph breaks, ``fullgraph=True`` works) with Dynamo's defaults and,
+  with ``torch.compile(..., dynamic=True)`` (or ``mark_dynamic`` on the sequence dimension), no recompilation per
+  sequence length or per token count (before issue 21, item 11, a ``torch.where`` here broke the graph unless
+  ``capture_dynamic_output_shape_ops`` was set). Transformers' own fused experts use a ``grouped_mm`` over stacked
+  weights (and a custom operator on CPU), which per-expert modules cannot use without bypassing the modules.
 - ``"dense"``: every expert applied to every token, multiplied by its routing weight (0 where the token is not
   routed to it): static shapes, 0 graph breaks without any option, but ``E / k`` times the expert FLOPs and
   activations — for small expert counts, or to get ``fullgraph=True`` without changing Dynamo's configuration.
@@ -427,6 +425,38 @@ class _ZeroGradients(torch.autograd.Function):
         return (None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
 
 
+@torch.library.custom_op("modelpatch::expert_positions", mutates_args=())
+def _expert_positions(by_slot: torch.Tensor, expert_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.where(by_slot == expert_idx)`` as one operator: ``by_slot (k, N)`` long -> ``(top_k_pos (n,),
+    token_idx (n,))`` long, ``n`` the number of slots routed to ``expert_idx``.
+
+    What :meth:`LinearExperts._sparse_static` calls under ``torch.compile`` (issue 21, item 11). Traced by Dynamo
+    as ``torch.where``, the ``nonzero`` behind it broke the graph unless ``capture_dynamic_output_shape_ops`` was
+    set; Dynamo then split every frame above it (a decoder layer compiled once per layer: a recompile per layer
+    on the cache's guards) and compiled each expert as a frame of its own, recompiled when its row count met 0 or
+    1. As an operator whose fake implementation returns a new unbacked size, the whole loop is one graph with or
+    without that option, and no size is ever specialised."""
+    top_k_pos, token_idx = torch.where(by_slot == expert_idx)
+    return top_k_pos.clone(), token_idx.clone()  # views of one nonzero result: an operator's outputs may not alias
+
+
+@_expert_positions.register_fake
+def _expert_positions_fake(by_slot: torch.Tensor, expert_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    ctx = torch.library.get_ctx()
+    shape_env = getattr(ctx, "_shape_env", None)
+    if shape_env is None:  # no symbolic shapes: new_dynamic_size raises the usual DynamicOutputShapeException
+        n = ctx.new_dynamic_size()
+    else:
+        # new_dynamic_size without its capture_dynamic_output_shape_ops check, as torch's own device_mesh operator
+        # does: the size is a count of slots, bounded by their number
+        n = shape_env.create_unbacked_symint()
+        bound = by_slot.numel()
+        _constrain_range_for_size(n, min=0, max=bound if isinstance(bound, int) else None)
+    return by_slot.new_empty(n), by_slot.new_empty(n)
+
+
 def _sharded_per_expert(experts: nn.ModuleList) -> bool:
     """Whether FSDP2 (``torch.distributed.fsdp.fully_shard``) sharded the expert modules themselves."""
     try:
@@ -559,8 +589,12 @@ class LinearExperts(nn.ModuleList):
         tokens, in the eager order (by top-k slot, then token), possibly none."""
         final = torch.zeros_like(hidden_states)
         by_slot = top_k_index.t()  # (k, N): torch.where yields slot-major order, as the eager one-hot mask does
+        compiling = torch.compiler.is_compiling()
         for expert_idx, expert in enumerate(self):
-            top_k_pos, token_idx = torch.where(by_slot == expert_idx)
+            if compiling:  # issue 21, item 11: one opaque operator, no graph break (see _expert_positions)
+                top_k_pos, token_idx = _expert_positions(by_slot, expert_idx)
+            else:
+                top_k_pos, token_idx = torch.where(by_slot == expert_idx)
             out = expert(hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
