@@ -27,6 +27,7 @@ every token, for GPTQ/AWQ-style calibration observers).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import transformers
@@ -115,11 +116,27 @@ def measured_refusal(model_type: str) -> str | None:
         return f"measured on Transformers {release}: {unsupported[model_type]}"
     if model_type in MEASURED_SUPPORTED.get(release, ()):
         return None
-    classes = {(c.module, c.name) for c in experts_family(model_type).classes}
-    for other, why in unsupported.items():
-        if other in experts_model_types() and classes & {(c.module, c.name) for c in experts_family(other).classes}:
-            return f"not measured on Transformers {release}; its experts class is that of {other!r}, measured: {why}"
+    refused = _refused_classes(release)
+    for c in experts_family(model_type).classes:
+        if (c.module, c.name) in refused:
+            other = refused[c.module, c.name]
+            return (
+                f"not measured on Transformers {release}; its experts class is that of {other!r}, measured: "
+                f"{unsupported[other]}"
+            )
     return None
+
+
+@functools.cache
+def _refused_classes(release: str) -> dict[tuple[str, str], str]:
+    """``{(module, class name): model type of the "no" row}`` of the experts classes of ``release``'s "no" rows."""
+    types = set(experts_model_types())
+    out: dict[tuple[str, str], str] = {}
+    for other in MEASURED_UNSUPPORTED[release]:
+        if other in types:
+            for c in experts_family(other).classes:
+                out.setdefault((c.module, c.name), other)
+    return out
 
 
 def _offered(model_type: str) -> bool:
