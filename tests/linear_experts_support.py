@@ -28,8 +28,13 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import routing_coverage as rc  # noqa: E402
-from modelpatch.recipes import get_recipe  # noqa: E402
-from modelpatch.recipes.experts import LinearExperts, _module_name, experts_family, experts_model_types  # noqa: E402
+from modelpatch.recipes.experts import (  # noqa: E402
+    LinearExperts,
+    _module_name,
+    experts_family,
+    experts_model_types,
+    linear_experts_recipe,
+)
 from routing_models import tiny_config  # noqa: E402
 
 START, END = "<!-- linear-experts-support:start -->\n", "<!-- linear-experts-support:end -->"
@@ -74,6 +79,49 @@ def readme_table() -> str:
 def write_readme_table(table: str) -> None:
     text = rc.README.read_text(encoding="utf-8")
     rc.README.write_text(text[: text.index(START) + len(START)] + table + text[text.index(END) :], encoding="utf-8")
+
+
+SUPPORT_MODULE = Path(__file__).resolve().parents[1] / "src" / "modelpatch" / "recipes" / "support.py"
+_SUPPORT_HEAD = '''"""The linear-experts recipes measured *not* exact, per Transformers release: the "no" rows of README.md's
+"Linear experts support" table, shipped with the package (the README is not installed).
+
+Generated from that table by tests/test_conversion_linear_experts_support.py (``MODELPATCH_REGENERATE_TABLES=1``
+rewrites it); do not edit. :func:`modelpatch.recipes.list_recipes` leaves these model types out and
+:func:`modelpatch.recipes.get_recipe` refuses them with the measured reason. A release without a column here was
+never measured: only what the experts class itself rules out is refused there.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MEASURED_SUPPORTED", "MEASURED_UNSUPPORTED"]
+
+'''
+
+
+def render_support_module(columns: dict[str, rc.Rows]) -> str:
+    """The source of ``modelpatch/recipes/support.py``: per release, the "yes" rows' model types and the "no"
+    rows' ``{model type: reason}``."""
+    import json
+
+    lines = ["MEASURED_SUPPORTED: dict[str, tuple[str, ...]] = {"]
+    for release in sorted(columns, key=rc._release_key):
+        lines.append(f"    {json.dumps(release)}: (")
+        lines += [f"        {json.dumps(mt)}," for mt, (ok, _, _) in sorted(columns[release].items()) if ok]
+        lines.append("    ),")
+    lines += ["}", '"""Per release, the model types whose linear-experts recipe was measured exact."""', ""]
+    lines.append("MEASURED_UNSUPPORTED: dict[str, dict[str, str]] = {")
+    for release in sorted(columns, key=rc._release_key):
+        lines.append(f"    {json.dumps(release)}: {{")
+        for mt, (ok, _, why) in sorted(columns[release].items()):
+            if not ok:
+                lines.append(f"        {json.dumps(mt)}: {json.dumps(why, ensure_ascii=False)},")
+        lines.append("    },")
+    lines += ["}", '"""Per release, ``{model type: why its linear-experts recipe is not exact}`` (the "no" rows)."""']
+    return _SUPPORT_HEAD + "\n".join(lines) + "\n"
+
+
+def write_support_module(columns: dict[str, rc.Rows]) -> None:
+    SUPPORT_MODULE.write_text(render_support_module(columns), encoding="utf-8")
 
 
 def _decorated(model) -> list[tuple[str, torch.nn.Module]]:
@@ -163,7 +211,8 @@ def check(model_type: str, text_type: str) -> tuple[bool, str, str]:
         return False, ", ".join(classes), f"the unpatched tiny model does not run here: {rc._why(e, 90)}"
     expected = {name: _slices(experts) for name, experts in decorated}
     names = "/".join(family.names)
-    recipe = get_recipe(f"{model_type}-linear-experts")
+    # the builder, not get_recipe: get_recipe refuses the types this measurement found inexact (recipes/support.py)
+    recipe = linear_experts_recipe(model_type)
     cls = type(model)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -308,5 +357,6 @@ if __name__ == "__main__":
         measured = {**documented, **composite_rows(texts, documented)}
     if "--write" in sys.argv or "--composites" in sys.argv:
         write_readme_table(render({**parse(readme_table()), transformers.__version__: measured}))
+        write_support_module(parse(readme_table()))
     print(render({transformers.__version__: measured}))
     print(f"{time.perf_counter() - start:.1f} s", file=sys.stderr)

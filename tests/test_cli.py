@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 
 from modelpatch.cli import main
 from modelpatch.cli.checkpoint import example_checkpoint
@@ -124,6 +125,19 @@ def test_verify_patches_file_with_rules(tmp_path, capsys):
     assert report["output"]["max_abs_diff"] <= 1e-5
 
 
+def test_recipes_lists_no_recipe_the_support_table_measured_inexact(capsys):
+    from linear_experts_support import parse, readme_table
+
+    assert main(["recipes"]) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()}
+    rows = parse(readme_table())[transformers.__version__]
+    assert (
+        sorted(f"{mt}-linear-experts" for mt, (ok, _, _) in rows.items() if not ok and f"{mt}-linear-experts" in listed)
+        == []
+    )
+    assert {f"{mt}-linear-experts" for mt, (ok, _, _) in rows.items() if ok} <= listed
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -147,6 +161,10 @@ def test_verify_patches_file_with_rules(tmp_path, capsys):
             "unknown model type 'no_such_type'",
         ),
         (["explain", "--model-type", "bert", "--patches", "{invalid}"], "invalid patches: "),
+        (
+            ["explain", "--model-type", "laguna", "--recipe", "laguna-linear-experts"],
+            "no linear-experts recipe for 'laguna' on this Transformers release: measured on Transformers ",
+        ),
         (["verify", "--model", MINILM_DIR, "--patches", "{empty}"], "defines no PATCH_MAPPING dict (or RECIPE)"),
     ],
 )

@@ -14,7 +14,16 @@ import pytest
 import torch
 import transformers
 
-from linear_experts_support import measure, parse, readme_table, render, write_readme_table
+from linear_experts_support import (
+    SUPPORT_MODULE,
+    measure,
+    parse,
+    readme_table,
+    render,
+    render_support_module,
+    write_readme_table,
+    write_support_module,
+)
 from routing_coverage import ci_releases, stale_column
 
 REGENERATE = os.environ.get("MODELPATCH_REGENERATE_TABLES") == "1" or os.environ.get("MODELPATCH_WRITE_DOCS") == "1"
@@ -33,6 +42,23 @@ def test_table_is_canonical_and_has_a_column_per_ci_release():
         assert set(REQUIRED) <= supported, release
 
 
+def test_the_package_ships_the_table():
+    # what list_recipes / get_recipe refuse per release (modelpatch/recipes/support.py) is the README's table
+    from modelpatch.recipes.support import MEASURED_SUPPORTED, MEASURED_UNSUPPORTED
+
+    columns = parse(readme_table())
+    if REGENERATE:
+        write_support_module(columns)
+    assert SUPPORT_MODULE.read_text(encoding="utf-8") == render_support_module(columns)
+    assert sorted(MEASURED_UNSUPPORTED, key=lambda r: tuple(map(int, r.split(".")))) == ci_releases()
+    for release, rows in columns.items():
+        assert MEASURED_UNSUPPORTED[release] == {mt: why for mt, (ok, _, why) in rows.items() if not ok}
+        assert set(MEASURED_SUPPORTED[release]) == {mt for mt, (ok, _, _) in rows.items() if ok}
+    assert MEASURED_UNSUPPORTED["5.23.0"]["laguna"] == "fused: logits differ by 1.45e-03"
+    assert (len(MEASURED_UNSUPPORTED["5.23.0"]), len(MEASURED_SUPPORTED["5.23.0"])) == (19, 63)
+    assert (len(MEASURED_UNSUPPORTED["5.24.0"]), len(MEASURED_SUPPORTED["5.24.0"])) == (22, 65)
+
+
 @pytest.mark.slow
 def test_linear_experts_support_table_is_current():
     threads = torch.get_num_threads()
@@ -46,6 +72,7 @@ def test_linear_experts_support_table_is_current():
     assert not missing, {mt: measured[mt][2] for mt in missing}
     if REGENERATE:
         write_readme_table(render({**parse(readme_table()), installed: measured}))
+        write_support_module(parse(readme_table()))
     documented = parse(readme_table())
     assert installed in documented, f"README.md's linear experts table has no column for transformers {installed}"
     stale = stale_column(

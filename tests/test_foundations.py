@@ -119,6 +119,47 @@ def test_every_error_has_the_modelpatch_base_and_keeps_its_builtin_base():
     assert issubclass(RoutingReplayError, ModelpatchError) and issubclass(RoutingReplayError, RuntimeError)
 
 
+def _package_exception_classes() -> list[type[BaseException]]:
+    """Every exception class defined in a modelpatch module (all submodules imported)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    for info in pkgutil.walk_packages(modelpatch.__path__, prefix="modelpatch."):
+        importlib.import_module(info.name)
+    found: dict[str, type[BaseException]] = {}
+    pending = [BaseException]
+    while pending:
+        cls = pending.pop()
+        for sub in cls.__subclasses__():
+            pending.append(sub)
+            module = inspect.getmodule(sub)
+            if module is not None and module.__name__.split(".")[0] == "modelpatch":
+                found[f"{sub.__module__}.{sub.__qualname__}"] = sub
+    return [found[name] for name in sorted(found)]
+
+
+def test_every_exception_class_of_the_package_derives_from_modelpatch_error():
+    classes = _package_exception_classes()
+    names = {cls.__name__ for cls in classes}
+    # the walk reaches the CLI's, the routing's, the recipes' and the conversion's own errors
+    assert {
+        "CliError",
+        "RoutingTraceError",
+        "UnsupportedExpertsError",
+        "ConversionError",
+        "QuantizedSaveError",
+    } <= names
+    outside = [f"{cls.__module__}.{cls.__qualname__}" for cls in classes if not issubclass(cls, ModelpatchError)]
+    assert outside == []
+
+
+def test_cli_error_is_a_modelpatch_error():
+    from modelpatch.cli import CliError
+
+    assert CliError.__mro__[1] is ModelpatchError and issubclass(CliError, Exception)
+
+
 # -- clean-up in either order (defect 10) ---------------------------------------------------------------------
 
 

@@ -43,6 +43,42 @@ def test_list_and_get():
         get_recipe("nope")
 
 
+def test_recipes_the_support_table_measured_inexact_are_not_offered():
+    import transformers
+
+    from linear_experts_support import parse, readme_table
+    from modelpatch.recipes import UnsupportedExpertsError, measured_refusal
+    from modelpatch.recipes.experts import linear_experts_recipe
+
+    release = transformers.__version__
+    rows = parse(readme_table())[release]
+    listed = set(list_recipes())
+    no = sorted(mt for mt, (ok, _, _) in rows.items() if not ok)
+    assert len(no) == {"5.23.0": 19, "5.24.0": 22}[release]
+    assert [mt for mt in no if f"{mt}-linear-experts" in listed] == []
+    assert {f"{mt}-linear-experts" for mt, (ok, _, _) in rows.items() if ok} <= listed
+    with pytest.raises(UnsupportedExpertsError) as caught:
+        get_recipe("laguna-linear-experts")
+    assert str(caught.value) == (
+        f"no linear-experts recipe for 'laguna' on this Transformers release: measured on Transformers {release}: "
+        "fused: logits differ by 1.45e-03 (the README's linear-experts support table; "
+        "modelpatch.recipes.experts.linear_experts_recipe('laguna') builds it anyway, unchecked)"
+    )
+    with pytest.raises(UnsupportedExpertsError, match="'laguna' on this Transformers release"):
+        get_recipe("laguna-linear-experts-from-fused")
+    assert measured_refusal("qwen3_moe") is None
+    # a type without a row of its own whose experts class is that of a "no" row: refused too
+    assert measured_refusal("gemma4_text") == (
+        f"not measured on Transformers {release}; its experts class is that of 'gemma4', measured: the tiny "
+        "gemma4_text model has no decorated experts module"
+    )
+    # the documented way to build one anyway (what the support measurement does)
+    assert linear_experts_recipe("laguna").name == "laguna-linear-experts"
+    generic = get_recipe("linear-experts")
+    assert [mt for mt in generic.model_types if measured_refusal(mt) is not None] == []
+    assert "LagunaExperts" not in generic.patch_mapping and "qwen3_moe" in generic.model_types
+
+
 def test_full_example_is_the_founding_documents():
     # per-expert experts + fused QKV: Concatenate on q/k/v, the built-in fusion dropped, and the linear-experts
     # recipe's readers of the fused experts layout (so a save_original_format=False checkpoint loads exactly too)

@@ -77,6 +77,34 @@ def test_routing_drift_of_a_model_against_its_own_trace_and_after_a_perturbation
     assert 0.0 < drift.router_disagreement_rate <= drift.token_flip_rate
 
 
+def test_routing_drift_accepts_the_trace_recorded_around_generate():
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    with torch.no_grad(), record_routing(model) as rollout:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert tuple(out.shape) == (2, 10) and rollout.sequence_lengths == [9, 7]  # the last token is never fed
+    full_mask = torch.cat([mask, mask.new_ones(2, 4)], dim=1)
+    same = routing_drift(model, rollout, out, full_mask)
+    assert (same.router_disagreement_rate, same.token_flip_rate, same.mean_topk_overlap) == (0.0, 0.0, 1.0)
+    assert same.tokens == 9 + 7
+    perturb_routers(model, seed=5)
+    drift = routing_drift(model, rollout, out, full_mask)
+    with torch.no_grad(), record_routing(model) as natural:
+        model(input_ids=out[:, :-1], attention_mask=full_mask[:, :-1])
+    assert drift == compare_routing(rollout, natural)
+    assert 0.0 < drift.router_disagreement_rate <= drift.token_flip_rate
+    # without the mask the pad positions count as tokens: the error says how to call
+    with pytest.raises(RoutingTraceError) as caught:
+        routing_drift(model, rollout, out)
+    assert str(caught.value).startswith(
+        "the trace is not of these tokens: sequence lengths [9, 7] (trace) vs [10, 10] (input_ids, no "
+        "attention_mask); pass the tokens the trace was recorded on, or for a trace recorded around generate() its "
+        "output with attention_mask=torch.cat([prompt_mask, prompt_mask.new_ones(batch, new_tokens)], dim=1)"
+    )
+
+
 @pytest.fixture(scope="module")
 def deepseek():
     return tiny_model("deepseek_v3", num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE, 8 experts, top-2

@@ -86,6 +86,13 @@ def test_errors_name_layer_expected_and_received(deepseek):
         RoutingTrace.from_routed_experts(np.zeros((4, 2, 2), np.float32), deepseek)
 
 
+def test_layer_axis_error_names_the_layer_count_once_when_every_layer_is_moe():
+    model = tiny_model("qwen2_moe")  # 2 hidden layers, both MoE, top-2
+    with pytest.raises(RoutingTraceError) as caught:
+        RoutingTrace.from_routed_experts(np.zeros((4, 5, 2), np.int32), model)
+    assert str(caught.value) == "layer axis: expected 2 (every hidden layer is an MoE layer), received 5"
+
+
 def test_padded_batch_and_minus_one(deepseek):
     base = np.tile(np.array([3, 5], np.int64), (6, 2, 1))
     batch = np.stack([base, base])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import ModelpatchError
+
 __all__ = ["CliError", "EXIT_FAILED_CHECK", "EXIT_USAGE"]
 
 EXIT_FAILED_CHECK = 1
@@ -11,5 +13,5 @@ EXIT_USAGE = 2
 """Exit status for a bad argument, a missing folder, a bad patches file, an unknown recipe."""
 
 
-class CliError(Exception):
+class CliError(ModelpatchError):
     """A user-facing error: ``str(error)`` is printed as ``modelpatch: error: <message>``, no traceback."""

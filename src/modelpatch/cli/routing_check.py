@@ -139,11 +139,11 @@ def main(args: argparse.Namespace) -> int:
     cls: Any = model_class(config)
     recipe = None
     if args.recipe:  # before the routes are read: a recipe of another family is the first error
-        from ..recipes import UnknownRecipeError, get_recipe
+        from ..recipes import UnknownRecipeError, UnsupportedExpertsError, get_recipe
 
         try:
             recipe = get_recipe(args.recipe)
-        except UnknownRecipeError as exc:
+        except (UnknownRecipeError, UnsupportedExpertsError) as exc:
             raise CliError(str(exc)) from None
         check_recipe_fits(recipe, config_names(config), f"'{args.model}'")
     routes, stored = _routes(args)

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Mapping
 
 from ..conversion.rules import as_modelpatch_rule
-from ..recipes import Recipe, RuleSpec, UnknownRecipeError, get_recipe
+from ..recipes import Recipe, RuleSpec, UnknownRecipeError, UnsupportedExpertsError, get_recipe
 from .errors import CliError
 from .sandbox import (
     Registrations,
@@ -268,12 +268,13 @@ def resolve_patches(recipe: str | None, patches: str | None) -> Recipe:
     """The recipe named ``recipe``, or the one a patches module/file defines.
 
     Raises:
-        CliError: unknown recipe, missing/raising patches file, or neither given.
+        CliError: unknown recipe, a linear-experts recipe refused on this Transformers release (the measured
+            reason), missing/raising patches file, or neither given.
     """
     if recipe is not None:
         try:
             return get_recipe(recipe)
-        except UnknownRecipeError as exc:
+        except (UnknownRecipeError, UnsupportedExpertsError) as exc:
             raise CliError(str(exc)) from None
     if patches is not None:
         module, registered = _load_module(patches)

@@ -17,13 +17,20 @@ built-in expert fusion dropped). :mod:`.base` defines :class:`Recipe` and :class
 ``...-from-fused``         deprecated alias of ``<type>-linear-experts`` (FutureWarning)
 =========================  ===========================================================================
 
+:mod:`.support` ships the README's "Linear experts support" table per Transformers release: the model types
+measured inexact there are not listed and :func:`get_recipe` refuses them (``UnsupportedExpertsError`` with the
+measured reason); :func:`.experts.linear_experts_recipe` still builds any of them, for measuring.
+
 :mod:`.calibration` has :func:`~.calibration.calibrate_all_experts` (every expert of the per-expert recipes runs on
 every token, for GPTQ/AWQ-style calibration observers).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+
+import transformers
 
 from ..errors import ModelpatchError
 from .attention import FAMILIES as _ATTENTION_FAMILIES
@@ -40,6 +47,7 @@ from .experts import (
     generic_linear_experts_recipe,
     linear_experts_recipe,
 )
+from .support import MEASURED_SUPPORTED, MEASURED_UNSUPPORTED
 
 __all__ = [
     "Recipe",
@@ -54,6 +62,7 @@ __all__ = [
     "FUSED_QKV_CLASSES",
     "LINEAR_EXPERTS_CLASSES",
     "UnsupportedExpertsError",
+    "measured_refusal",
     "FULL_EXAMPLE",
 ]
 
@@ -91,8 +100,75 @@ _EXPERTS_SUFFIX = "-linear-experts"
 _FROM_FUSED_SUFFIX = "-linear-experts-from-fused"
 
 
+def measured_refusal(model_type: str) -> str | None:
+    """Why the installed Transformers release's measurement (:mod:`.support`, the README's "Linear experts
+    support" table) refuses ``<model_type>-linear-experts``; ``None`` when it does not.
+
+    Refused: a "no" row of the release's column, and a model type without a row whose experts class is that of a
+    "no" row (a vision tower or text model of a composite measured inexact). A release with no column was never
+    measured: nothing is refused by measurement there.
+    """
+    release = transformers.__version__
+    unsupported = MEASURED_UNSUPPORTED.get(release)
+    if unsupported is None:
+        return None
+    if model_type in unsupported:
+        return f"measured on Transformers {release}: {unsupported[model_type]}"
+    if model_type in MEASURED_SUPPORTED.get(release, ()):
+        return None
+    refused = _refused_classes(release)
+    for c in experts_family(model_type).classes:
+        if (c.module, c.name) in refused:
+            other = refused[c.module, c.name]
+            return (
+                f"not measured on Transformers {release}; its experts class is that of {other!r}, measured: "
+                f"{unsupported[other]}"
+            )
+    return None
+
+
+@functools.cache
+def _refused_classes(release: str) -> dict[tuple[str, str], str]:
+    """``{(module, class name): model type of the "no" row}`` of the experts classes of ``release``'s "no" rows."""
+    types = set(experts_model_types())
+    out: dict[tuple[str, str], str] = {}
+    for other in MEASURED_UNSUPPORTED[release]:
+        if other in types:
+            for c in experts_family(other).classes:
+                out.setdefault((c.module, c.name), other)
+    return out
+
+
+def _offered(model_type: str) -> bool:
+    return not experts_family(model_type).unsupported and measured_refusal(model_type) is None
+
+
 def _experts_recipe_names() -> list[str]:
-    return [f"{mt}{_EXPERTS_SUFFIX}" for mt in experts_model_types() if not experts_family(mt).unsupported]
+    return [f"{mt}{_EXPERTS_SUFFIX}" for mt in experts_model_types() if _offered(mt)]
+
+
+def _refuse_measured(model_type: str) -> None:
+    why = measured_refusal(model_type)
+    if why is not None:
+        raise UnsupportedExpertsError(
+            f"no linear-experts recipe for {model_type!r} on this Transformers release: {why} (the README's "
+            f"linear-experts support table; modelpatch.recipes.experts.linear_experts_recipe({model_type!r}) builds "
+            "it anyway, unchecked)"
+        )
+
+
+def _generic_recipe() -> Recipe:
+    """``linear-experts`` restricted to the model types offered on their own (:func:`_offered`)."""
+    recipe = generic_linear_experts_recipe()
+    kept = tuple(mt for mt in recipe.model_types if measured_refusal(mt) is None)
+    classes = {c.name for mt in kept for c in experts_family(mt).classes}
+    return Recipe(
+        name=recipe.name,
+        description=recipe.description,
+        patch_mapping={k: v for k, v in recipe.patch_mapping.items() if k in classes},
+        conversion={k: v for k, v in recipe.conversion.items() if k in kept},
+        model_types=kept,
+    )
 
 
 _BUILT: dict[str, Recipe] = {}  # linear-experts recipes, built on first use
@@ -108,16 +184,17 @@ def _lookup(name: str) -> Recipe | None:
 
     Raises:
         UnsupportedExpertsError: ``<type>-linear-experts`` of a model type with decorated experts that cannot be
-            supported (the message says why).
+            supported, or that the installed release's measurement found inexact (the message says why).
     """
     if name in _RECIPES:
         return _RECIPES[name]
     if name in _BUILT:
         return _BUILT[name]
     if name == "linear-experts":
-        recipe = generic_linear_experts_recipe()
+        recipe = _generic_recipe()
     elif name.endswith(_FROM_FUSED_SUFFIX) and name[: -len(_FROM_FUSED_SUFFIX)] in experts_model_types():
         replacement = name[: -len("-from-fused")]
+        _refuse_measured(replacement.removesuffix(_EXPERTS_SUFFIX))
         warnings.warn(
             f"recipe {name!r} is deprecated: {replacement!r} loads fused and per-expert checkpoints alike (and saves "
             "the layout it loaded); use it instead",
@@ -126,6 +203,7 @@ def _lookup(name: str) -> Recipe | None:
         )
         return _lookup(replacement)
     elif name.endswith(_EXPERTS_SUFFIX) and name[: -len(_EXPERTS_SUFFIX)] in experts_model_types():
+        _refuse_measured(name[: -len(_EXPERTS_SUFFIX)])
         recipe = linear_experts_recipe(name[: -len(_EXPERTS_SUFFIX)])
     else:
         return None
@@ -141,7 +219,9 @@ def get_recipe(name: str) -> Recipe:
 
     Raises:
         UnknownRecipeError: no such recipe (the message lists the known names).
-        UnsupportedExpertsError: ``"<type>-linear-experts"`` of a model type whose experts cannot be supported.
+        UnsupportedExpertsError: ``"<type>-linear-experts"`` of a model type whose experts cannot be supported, or
+            whose recipe the installed release's measurement found inexact (:func:`measured_refusal`, e.g.
+            ``laguna``: "logits differ by 1.45e-03"); the message names the measured reason.
     """
     parts = [p.strip() for p in name.split("+")]
     found: list[Recipe | None] = []

@@ -76,10 +76,32 @@ def routing_drift(
     Runs one forward of ``model`` (no gradient) on ``input_ids`` ``(batch, seq_len)`` long, with
     ``attention_mask`` ``(batch, seq_len)`` for a padded batch (padding is not compared), recording its routing.
 
+    A trace recorded around ``generate`` holds one row fewer per sequence than its output (the last generated
+    token is never fed to the model): pass that output as ``input_ids`` (with, for a padded prompt batch, the
+    prompt mask extended by ones for the new tokens) and the last token of each sequence is left out of the
+    comparison.
+
     Raises:
-        RoutingTraceError: the trace is not of these tokens (sequence lengths differ) or of other routers.
+        RoutingTraceError: the trace is not of these tokens (sequence lengths differ by other than that one
+            generated row; the message says how to call for a ``generate`` trace) or of other routers.
         RoutingDiscoveryError: ``model`` has no top-k router.
     """
     with torch.no_grad(), record_routing(model) as natural:
         model(input_ids=input_ids, attention_mask=attention_mask)
+    wanted, fed = trace.sequence_lengths, natural.sequence_lengths
+    if wanted != fed and len(wanted) == len(fed) and all(w == f - 1 for w, f in zip(wanted, fed)):
+        natural = RoutingTrace(  # a generate trace: compare every row but the last generated token's
+            {layer: [rows[:-1] for rows in natural.layer_routes(layer, copy=False)] for layer in natural.layers},
+            num_experts=natural.num_experts,
+            top_k=natural.top_k,
+            num_hidden_layers=natural.num_hidden_layers,
+        )
+    elif wanted != fed:
+        raise RoutingTraceError(
+            f"the trace is not of these tokens: sequence lengths {wanted} (trace) vs {fed} (input_ids"
+            f"{' with attention_mask' if attention_mask is not None else ', no attention_mask'}); pass the tokens "
+            "the trace was recorded on, or for a trace recorded around generate() its output with "
+            "attention_mask=torch.cat([prompt_mask, prompt_mask.new_ones(batch, new_tokens)], dim=1) (the trace "
+            "is then one row short per sequence: the last generated token is never fed to the model)"
+        )
     return compare_routing(trace, natural)

@@ -216,10 +216,12 @@ def routes_from_engine_arrays(
         elif n_axis == len(moe_layers):
             layer_axis = "moe"
         else:
-            raise RoutingTraceError(
-                f"layer axis: expected {num_hidden} (all hidden layers) or {len(moe_layers)} (MoE layers "
-                f"{moe_layers}), received {n_axis}"
+            wanted = (
+                f"{num_hidden} (every hidden layer is an MoE layer)"
+                if num_hidden == len(moe_layers)
+                else f"{num_hidden} (all hidden layers) or {len(moe_layers)} (MoE layers {moe_layers})"
             )
+            raise RoutingTraceError(f"layer axis: expected {wanted}, received {n_axis}")
     expected = {"all": num_hidden, "moe": len(moe_layers)}.get(layer_axis)
     if expected is None:
         raise ModelpatchValueError(f"layer_axis must be 'auto', 'all' or 'moe', received {layer_axis!r}")
