@@ -456,10 +456,20 @@ def _training_checks(trained: TrainResult | None) -> list[Check]:
             if rounding
             else ""
         )
+        judged = [k for k in trained.keys if k.judged is not None]
+        unjudged = len(trained.keys) - len(judged)
+        after_first = any(k.judged != k.max_abs_diff for k in judged)
+        scope = (
+            f"{len(judged)} of {keys} checkpoint keys, judged after step 1"
+            + (f"; {unjudged} key(s) stored in another layout shown, not judged" if unjudged else "")
+            + " (Adafactor's statistics are per tensor)"
+            if after_first or unjudged
+            else f"{keys} checkpoint keys"
+        )
         training = Check(
             "training",
             True,
-            f"after {run}: max abs diff {trained.max_diff:.3g} over {keys} checkpoint keys (bound {trained.bound:g}, "
+            f"after {run}: largest judged difference {trained.max_diff:.3g} over {scope} (bound {trained.bound:g}, "
             f"weights moved up to {trained.max_moved:.3g}){note}; {idle} idle expert-step(s)",
         )
     missing = trained.missing_grads

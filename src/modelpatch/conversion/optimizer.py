@@ -371,9 +371,10 @@ def _convert(
                 name = mine[kinds.index("other")]
                 raise OptimizerStateError(
                     f"Optimizer state '{key}' of '{name}' ({describe}) has shape {tuple(state[name][key].shape)}, not "
-                    f"the parameter's {tuple(shapes[name])} (factored state, e.g. Adafactor's row_var/col_var): it "
-                    f"describes the rows and columns of that one tensor, which the other layout splits or fuses "
-                    f"({getattr(unit, other)}), so it cannot be converted. {_WAY_OUT_FACTORED}",
+                    f"the parameter's {tuple(shapes[name])}: factored state (e.g. Adafactor's row_var/col_var) describes the "
+                    f"rows and columns of that one tensor, which the other layout splits or fuses "
+                    f"({getattr(unit, other)}), so it cannot be converted (and per-element state of another shape "
+                    f"is not this model's). {_WAY_OUT_FACTORED}",
                     name,
                     side,
                 )
