@@ -34,6 +34,7 @@ from modelpatch.conversion import (
     register_checkpoint_conversion_mapping,
     unregister_checkpoint_conversion_mapping,
 )
+from modelpatch.errors import ModelpatchValueError
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +173,31 @@ def test_save_after_scope_still_writes_original_layout(qwen2_moe, tmp_path):
 
 def test_conversion_error_type_is_value_error():
     assert issubclass(ConversionError, ValueError)
+
+
+def test_rules_under_a_name_no_release_knows_are_named_with_the_closest(caplog):
+    """Rules registered under a misspelled model type ('lama') never applied, and nothing said so: a warning names
+    them with the closest known name; strict makes it an error (registry unchanged)."""
+    import logging
+
+    rule = WeightRenaming("self_attn.qq_proj", "self_attn.q_proj")
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        for name in ("llama", "LlamaModel", "qwen2_moe"):  # known: silent
+            register_checkpoint_conversion_mapping(name, [rule])
+            unregister_checkpoint_conversion_mapping(name)
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        register_checkpoint_conversion_mapping("lama", [rule])
+        with apply_conversion_rules({"LlamaForCausalLn": [rule]}):
+            pass
+    unregister_checkpoint_conversion_mapping("lama")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert "registered under 'lama', which is neither a model_type nor a class name" in messages[0]
+    assert "did you mean 'llama'?" in messages[0]
+    assert "did you mean 'LlamaForCausalLM'?" in messages[1]
+    with pytest.raises(
+        ModelpatchValueError, match=r"'lama'.*did you mean 'llama'\?.*\(strict\); nothing was registered"
+    ):
+        register_checkpoint_conversion_mapping("lama", [rule], strict=True)
+    assert get_checkpoint_conversion_mapping("lama") is None

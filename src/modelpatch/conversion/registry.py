@@ -8,6 +8,8 @@ load); built-in rules are read from it and composed at load/save time (see :mod:
 
 from __future__ import annotations
 
+import difflib
+import functools
 import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -15,13 +17,18 @@ from contextvars import ContextVar
 from copy import deepcopy
 from dataclasses import dataclass
 
+from transformers import __version__ as transformers_version
 from transformers import conversion_mapping as _tcm
 from transformers import core_model_loading as _tcml
+from transformers.utils import logging
 
 from ..errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
-from ..patching.registry import on_clear
+from ..patching.catalog import CATALOG
+from ..patching.registry import is_strict_patching, on_clear
 from .overlap import drop_replaced_builtins
 from .rules import WeightConverter, WeightRenaming, as_modelpatch_rule
+
+logger = logging.get_logger("modelpatch")
 
 __all__ = [
     "RuleSet",
@@ -59,6 +66,37 @@ _cleared: set[str] = set()  # names removed by a clear, so a later unregister of
 _scoped: ContextVar[tuple[Mapping[str, RuleSet], ...]] = ContextVar("modelpatch_conversion_scopes", default=())
 
 
+@functools.cache
+def _class_names() -> frozenset[str]:
+    """The class names Transformers exports (its lazy module's names: nothing is imported)."""
+    import transformers
+
+    return frozenset(n for n in dir(transformers) if n[:1].isupper())
+
+
+def unknown_name_message(name: str) -> str | None:
+    """``None`` when ``name`` is a ``model_type`` or a class name the installed Transformers knows (or a class
+    modelpatch has catalogued, e.g. remote code); else why rules registered under it may never apply, with the
+    closest known name (:func:`difflib.get_close_matches`)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if name in CONFIG_MAPPING_NAMES:
+        return None
+    if name[:1].isupper():
+        if name in _class_names() or CATALOG.classes_named(name):
+            return None
+        candidates: Collection[str] = _class_names()
+    else:
+        candidates = CONFIG_MAPPING_NAMES.keys()
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.75)
+    return (
+        f"conversion rules registered under {name!r}, which is neither a model_type nor a class name of the installed "
+        f"Transformers {transformers_version}"
+        + (f": did you mean {close[0]!r}?" if close else "")
+        + " (rules apply to a model or sub-model of that type or class only: remote code, or never)"
+    )
+
+
 def _make_ruleset(name: object, mapping: object, overwrite: object, strict: object) -> RuleSet:
     if not isinstance(name, str) or not name:
         raise ModelpatchTypeError(f"model_type_or_class_name must be a non-empty str, got {name!r}")
@@ -66,7 +104,13 @@ def _make_ruleset(name: object, mapping: object, overwrite: object, strict: obje
         raise ModelpatchTypeError(
             f"mapping for '{name}' must be a list of WeightConverter/WeightRenaming, got {mapping!r}"
         )
-    return RuleSet(name, tuple(as_modelpatch_rule(rule) for rule in mapping), bool(overwrite), bool(strict))
+    ruleset = RuleSet(name, tuple(as_modelpatch_rule(rule) for rule in mapping), bool(overwrite), bool(strict))
+    unknown = unknown_name_message(name)
+    if unknown is not None:
+        if strict or is_strict_patching():
+            raise ModelpatchValueError(unknown + " (strict); nothing was registered")
+        logger.warning(unknown)
+    return ruleset
 
 
 def register_checkpoint_conversion_mapping(
