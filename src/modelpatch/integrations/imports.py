@@ -63,6 +63,14 @@ class PostImportHook(importlib.abc.MetaPathFinder):
         spec.loader = _Loader(spec.loader, self.on_import)
         return spec
 
+    def now_or_on_import(self) -> None:
+        """Run the callback now if the module is imported already, else :meth:`arm` the hook."""
+        module = sys.modules.get(self.target)
+        if module is not None:
+            self.on_import(module)
+        else:
+            self.arm()
+
     def arm(self) -> None:
         """Put the hook first on :data:`sys.meta_path` (idempotent)."""
         if self not in sys.meta_path:

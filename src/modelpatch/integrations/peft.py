@@ -174,11 +174,7 @@ def install() -> None:
     with _lock:
         if not len(_view):
             register_wrapper_view("peft", peft_wrapper_bases, _view)
-        module = sys.modules.get(TARGET_MODULE)
-        if module is not None:
-            _wrap(module)
-        else:
-            _hook.arm()
+        _hook.now_or_on_import()
 
 
 def uninstall() -> None:

@@ -133,11 +133,7 @@ _hook = PostImportHook(TARGET_MODULE, _wrap)
 def install() -> None:
     """Wrap the Trainer's optimizer save and load now, or when ``transformers.trainer`` is imported (idempotent)."""
     with _lock:
-        module = sys.modules.get(TARGET_MODULE)
-        if module is not None:
-            _wrap(module)
-        else:
-            _hook.arm()
+        _hook.now_or_on_import()
 
 
 def uninstall() -> None:
