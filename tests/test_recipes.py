@@ -39,8 +39,12 @@ REQUIRED = [
 def test_list_and_get():
     assert set(REQUIRED) <= set(list_recipes())
     assert get_recipe("bert-fused-qkv").patch_mapping == {"BertSelfAttention": FusedQKVBertSelfAttention}
-    with pytest.raises(UnknownRecipeError, match="unknown recipe 'nope'.*llama-fused-qkv"):
+    with pytest.raises(UnknownRecipeError, match="unknown recipe 'nope'; known:.*llama-fused-qkv"):
         get_recipe("nope")
+    with pytest.raises(
+        UnknownRecipeError, match=r"'qwen2moe-linear-experts' \(did you mean 'qwen2_moe-linear-experts'\?\)"
+    ):
+        get_recipe("qwen2moe-linear-experts")
 
 
 def test_recipes_the_support_table_measured_inexact_are_not_offered():

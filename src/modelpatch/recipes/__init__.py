@@ -27,6 +27,7 @@ every token, for GPTQ/AWQ-style calibration observers).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import warnings
 
@@ -230,9 +231,13 @@ def get_recipe(name: str) -> Recipe:
     missing = [p for p, r in zip(parts, found) if r is None]
     if missing or not parts:
         types = [n.removesuffix(_EXPERTS_SUFFIX) for n in _experts_recipe_names()]
+        wrong = missing[0] if missing else name
+        close = difflib.get_close_matches(wrong, [*_RECIPES, *_experts_recipe_names()], n=1, cutoff=0.8)
         raise UnknownRecipeError(
-            f"unknown recipe {missing[0] if missing else name!r}; known: {', '.join(sorted(_RECIPES))}, "
-            f"linear-experts, and <model_type>-linear-experts for {', '.join(types)}"
+            f"unknown recipe {wrong!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; known: {', '.join(sorted(_RECIPES))}, linear-experts, and <model_type>-linear-experts for "
+            f"{', '.join(types)}"
         )
     recipes = [r for r in found if r is not None]
     recipe = recipes[0]
