@@ -9,8 +9,8 @@ from transformers import PreTrainedModel
 
 from ..patching.provenance import build_record
 from . import registry
-from .overlap import drop_replaced_builtins, has_target_layout, overlaps
 from .errors import ConversionError
+from .overlap import drop_replaced_builtins, has_target_layout, overlaps
 from .rules import rule_layout
 from .state import get_state
 
