@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_transformers():
     """Transformers' progress bars and Transformers'/modelpatch's warnings off while a command runs (the command
     reports its findings itself: unused keys, conflicts, rules that matched nothing); restored afterwards, so
-    ``main()`` can be called in-process."""
+    ``main()`` can be called in-process. Process-wide, unlike the registries (see :mod:`.sandbox`): logging levels
+    and Transformers' progress-bar switch have no per-thread form, so other threads' warnings are quiet too while
+    a command runs in-process."""
     import logging as std_logging
 
     from transformers.utils import logging

@@ -27,7 +27,8 @@ import system has one of each per process; a patches file must be importable, an
 command), and Transformers' own registries (``transformers.monkey_patching``'s patch mapping and
 ``transformers.conversion_mapping``'s table are module globals that every ``from_pretrained`` of every thread reads):
 what a user registered *there* is out of force for every thread while a command runs (nothing changes when nothing
-was registered there, the usual case).
+was registered there, the usual case). (Logging levels, which :func:`modelpatch.cli.main` lowers around the
+command, are process-wide too.)
 """
 
 from __future__ import annotations
