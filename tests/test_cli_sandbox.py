@@ -90,3 +90,42 @@ def test_other_threads_see_their_registries_while_a_command_runs_in_process(tmp_
     assert report["replaced"] == {"LlamaMLP": {"LlamaMLP -> CommandMLP": layers}}
     # and gone afterwards: the caller's registries are as before
     assert after == (*before, True)
+
+
+def test_a_sandbox_in_one_asyncio_task_leaves_the_other_tasks_registries_alone():
+    """The same per context: a sandbox entered in one asyncio task (where a command's registrations go) is invisible
+    to another task of the same thread, and the caller's registrations are back in the task after it."""
+    import asyncio
+
+    from modelpatch.cli.sandbox import CommandSandbox
+
+    register_patch_mapping({"LlamaAttention": CallersAttention})
+    register_checkpoint_conversion_mapping("llama", [CALLERS_RULE])
+    before = (get_patch_mapping(), registered_conversion_mappings())
+
+    async def command(inside: asyncio.Event, done: asyncio.Event) -> tuple:
+        with CommandSandbox():
+            seen = (get_patch_mapping(), registered_conversion_mappings())
+            register_patch_mapping({"LlamaMLP": CallersAttention})
+            inside.set()
+            await done.wait()
+        return seen, (get_patch_mapping(), registered_conversion_mappings())
+
+    async def other(inside: asyncio.Event, done: asyncio.Event) -> tuple:
+        await inside.wait()
+        try:
+            return get_patch_mapping(), registered_conversion_mappings()
+        finally:
+            done.set()
+
+    async def both() -> tuple:
+        inside, done = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(command(inside, done), other(inside, done))
+
+    try:
+        (seen_inside, after_in_task), seen_by_other = asyncio.run(both())
+    finally:
+        clear_checkpoint_conversion_mappings()
+    assert seen_inside == ({}, {})
+    assert seen_by_other == before
+    assert after_in_task == before
