@@ -258,3 +258,28 @@ def test_sub_model_class_rule_conflicting_with_an_ancestors_rule_raises_naming_b
             model = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         assert (model(ids).logits - expected).abs().max().item() == 0.0
+
+
+def test_sub_model_class_rules_compose_with_a_recipes_model_type_rules(qwen2_moe, tmp_path):
+    """A recipe's ``qwen2_moe`` rules (linear experts, ``overwrite``) and the user's ``Qwen2MoeModel`` q/k/v fusion:
+    the sub-model's rules were skipped (the load refused, q/k/v unread); both apply now, exact, and the save
+    writes the checkpoint back."""
+    from modelpatch.recipes import get_recipe
+
+    reference, folder, ck = qwen2_moe
+    recipe = get_recipe("qwen2_moe-linear-experts")
+    with apply_patches(
+        {**recipe.patch_mapping, "Qwen2MoeAttention": FusedQKVAttention},
+        conversion_rules={**recipe.build_conversion_rules(), "Qwen2MoeModel": [QKV_RULE]},
+        overwrite=["qwen2_moe"],
+    ):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
+    expected = expected_fused(model.state_dict(), ck)
+    assert torch.equal(
+        model.model.layers[1].self_attn.qkv_proj.weight, expected["model.layers.1.self_attn.qkv_proj.weight"]
+    )
+    model.save_pretrained(tmp_path)
+    assert_same_tensors(checkpoint(tmp_path), ck)

@@ -225,32 +225,17 @@ def _builtin_signatures(sub) -> set:
     return {_signature(rule) for rule in rules}
 
 
-def _scope_encloses(outer: str | None, inner: str | None) -> bool:
-    """Whether a transform scoped to ``outer`` (``None``: the root, every key) also reads the keys of scope
-    ``inner`` (``""``: the base model)."""
-    if outer is None or outer == inner:
-        return True
-    if inner is None:
-        return False
-    return outer == "" or inner.startswith(outer + ".")
-
-
 def compose_builtins(model, builtins: list, resolved: ResolvedRules) -> list:
     """Filter the Transformers transforms computed for ``model`` (``get_model_conversion_mapping``): drop those of a
-    sub-model registered with ``overwrite=True`` and those replaced by a user rule of the same scope or of a
-    sub-model inside theirs (Transformers puts a model's built-in rules at the root, where they also read the keys
-    of its base model: ``LlamaModel`` rules inside a ``LlamaForCausalLM`` replace the ``llama`` built-ins they
-    overlap)."""
+    sub-model registered with ``overwrite=True`` and those replaced by a user rule of the same scope."""
     kept = list(builtins)
     for ruleset, scope, sub in resolved.entries:
         mine = [r for r in resolved.rules if resolved.owner[id(r)] == ruleset.name and r.scope_prefix == scope]
         if ruleset.overwrite:
             signatures = _builtin_signatures(sub)
-            kept = [b for b in kept if not (_scope_encloses(b.scope_prefix, scope) and _signature(b) in signatures)]
+            kept = [b for b in kept if not (b.scope_prefix == scope and _signature(b) in signatures)]
         else:
-            kept = [
-                b for b in kept if not (_scope_encloses(b.scope_prefix, scope) and any(overlaps(b, u) for u in mine))
-            ]
+            kept = [b for b in kept if not (b.scope_prefix == scope and any(overlaps(b, u) for u in mine))]
     return kept
 
 
