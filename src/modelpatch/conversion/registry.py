@@ -150,7 +150,11 @@ def register_checkpoint_conversion_mapping(
 
     Args:
         model_type_or_class_name: key the rules are looked up by, for the root model and for each sub-model
-            (whose rules then only apply under its own prefix).
+            (whose rules then only apply under its own prefix). A sub-model's class name applies beside the rules
+            an ancestor has by ``model_type`` (``"LlamaModel"`` in a ``LlamaForCausalLM`` loaded with ``"llama"``
+            rules); a rule of each touching the same parameters makes loads and saves raise ``ConversionError``
+            naming both. A name no installed Transformers model type or class has is named in a warning with the
+            closest known name.
         mapping: list of :class:`WeightConverter` / :class:`WeightRenaming` (Transformers' classes are accepted and
             rebuilt as modelpatch rules).
         overwrite: replace an earlier user registration of the same name and drop all built-in rules of that name.
@@ -159,7 +163,9 @@ def register_checkpoint_conversion_mapping(
         strict: a rule that matches no checkpoint key raises at load time instead of logging a warning.
 
     Raises:
-        ValueError: the name is already registered by the user and ``overwrite`` is false (registry unchanged).
+        ValueError: the name is already registered by the user and ``overwrite`` is false, or it is a name no
+            installed Transformers model type or class has and ``strict`` (or strict mode) is on (registry
+            unchanged).
         TypeError: bad name or rule type (registry unchanged).
     """
     ruleset = _make_ruleset(model_type_or_class_name, mapping, overwrite, strict)
