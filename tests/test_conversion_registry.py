@@ -6,7 +6,8 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2MoeForCausalLM
 from transformers import conversion_mapping as tcm
 
 from conversion_models import (
@@ -21,12 +22,13 @@ from conversion_models import (
     patched,
     randomize_,
 )
-from helpers import tiny_qwen2_moe_config
+from helpers import tiny_llama_config, tiny_qwen2_moe_config
 from modelpatch import apply_patches
 from modelpatch.conversion import (
     Concatenate,
     ConversionError,
     SplitModulelist,
+    Transpose,
     WeightConverter,
     WeightRenaming,
     apply_conversion_rules,
@@ -201,3 +203,83 @@ def test_rules_under_a_name_no_release_knows_are_named_with_the_closest(caplog):
     ):
         register_checkpoint_conversion_mapping("lama", [rule], strict=True)
     assert get_checkpoint_conversion_mapping("lama") is None
+
+
+# -- issue 24: a sub-model's class-name rules apply to that sub-model, or a conflict raises ------------------------
+
+O_PROJ_TRANSPOSED = WeightConverter("self_attn.o_proj.weight", "self_attn.o_proj.weight", [Transpose(0, 1)])
+
+
+@pytest.fixture(scope="module")
+def llama_o_proj_transposed(tmp_path_factory):
+    """A tiny llama checkpoint whose (square) ``o_proj`` weights are stored transposed: read without the rule that
+    transposes them back, it loads with no missing key and no warning, and computes wrong logits."""
+    reference = randomize_(LlamaForCausalLM(tiny_llama_config()))
+    folder = tmp_path_factory.mktemp("llama_o_proj_t")
+    reference.save_pretrained(folder)
+    (file,) = folder.glob("*.safetensors")
+    tensors = {k: v.t().contiguous() if ".o_proj." in k else v for k, v in load_file(file).items()}
+    save_file(tensors, file, metadata={"format": "pt"})
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = reference(ids).logits
+    return folder, ids, logits
+
+
+def test_sub_model_class_rules_apply_beside_the_roots_model_type_rules(llama_o_proj_transposed, tmp_path):
+    """Rules registered under ``LlamaModel`` (the sub-model of ``LlamaForCausalLM``) lost silently to the ``llama``
+    rules of a recipe: max abs diff of logits 1.81, no warning. Like Transformers' ``get_model_conversion_mapping``,
+    a sub-model's class-name entry applies under its prefix below an ancestor's ``model_type`` entry."""
+    folder, ids, expected = llama_o_proj_transposed
+    register_checkpoint_conversion_mapping("LlamaModel", [O_PROJ_TRANSPOSED])
+    with patched({"LlamaAttention": FusedQKVAttention}), apply_conversion_rules({"llama": [QKV_RULE]}):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max().item() == 0.0
+    model.save_pretrained(tmp_path)  # both rules reversed: the checkpoint as it was
+    assert_same_tensors(checkpoint(tmp_path), checkpoint(folder))
+
+
+def test_sub_model_class_rule_conflicting_with_an_ancestors_rule_raises_naming_both(llama_o_proj_transposed):
+    """Two different rules for the same parameters (q, v, k order under ``LlamaModel``, q, k, v under ``llama``):
+    only the first converter reads a key, so the other lost silently; now an error names both. An exact copy of
+    the ancestor's rule is applied once (no error, exact logits)."""
+    folder, ids, expected = llama_o_proj_transposed
+    qvk = WeightConverter(["q_proj", "v_proj", "k_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+    with patched({"LlamaAttention": FusedQKVAttention}):
+        with apply_conversion_rules({"llama": [QKV_RULE], "LlamaModel": [qvk, O_PROJ_TRANSPOSED]}):
+            with pytest.raises(ConversionError) as caught:
+                AutoModelForCausalLM.from_pretrained(folder)
+        message = str(caught.value)
+        assert "conflicting conversion rules for sub-model 'model' (LlamaModel)" in message
+        assert f"{qvk!r} registered under 'LlamaModel'" in message
+        assert f"{QKV_RULE!r} registered under 'llama' (for the root model (LlamaForCausalLM)" in message
+        with apply_conversion_rules({"llama": [QKV_RULE], "LlamaModel": [QKV_RULE, O_PROJ_TRANSPOSED]}):
+            model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max().item() == 0.0
+
+
+def test_sub_model_class_rules_compose_with_a_recipes_model_type_rules(qwen2_moe, tmp_path):
+    """A recipe's ``qwen2_moe`` rules (linear experts, ``overwrite``) and the user's ``Qwen2MoeModel`` q/k/v fusion:
+    the sub-model's rules were skipped (the load refused, q/k/v unread); both apply now, exact, and the save
+    writes the checkpoint back."""
+    from modelpatch.recipes import get_recipe
+
+    reference, folder, ck = qwen2_moe
+    recipe = get_recipe("qwen2_moe-linear-experts")
+    with apply_patches(
+        {**recipe.patch_mapping, "Qwen2MoeAttention": FusedQKVAttention},
+        conversion_rules={**recipe.build_conversion_rules(), "Qwen2MoeModel": [QKV_RULE]},
+        overwrite=["qwen2_moe"],
+    ):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
+    expected = expected_fused(model.state_dict(), ck)
+    assert torch.equal(
+        model.model.layers[1].self_attn.qkv_proj.weight, expected["model.layers.1.self_attn.qkv_proj.weight"]
+    )
+    model.save_pretrained(tmp_path)
+    assert_same_tensors(checkpoint(tmp_path), ck)

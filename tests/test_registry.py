@@ -6,6 +6,7 @@ import pytest
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import __version__ as transformers_version
 
 from modelpatch import clear_patch_mapping, get_patch_mapping, register_patch_mapping, unregister_patch_mapping
 from modelpatch.patching.registry import build_patch_mapping
@@ -160,3 +161,34 @@ def test_register_then_unregister_restores_registry(entries):
     unregister_patch_mapping(list(new))
     assert get_patch_mapping() == before
     clear_patch_mapping()
+
+
+def test_a_misspelled_class_name_is_named_with_the_closest_at_registration(caplog):
+    """A key spelled like a Transformers class but naming none ('LlamaAtention') replaces nothing; registration
+    names it with the closest class name, and strict (the argument or registry-wide strict mode) refuses it, the
+    registry unchanged (issue 24, item 2). Known classes, patterns and names like no known class (remote code may
+    define them later; builds judge those) are registered quietly."""
+    import logging
+
+    from modelpatch import UnmatchedPatchKeyError, set_strict_patching
+
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        register_patch_mapping({"LlamaAttention": A, ".*MLP$": B, "TinyRemoteBlock": C})
+        assert not caplog.records
+        register_patch_mapping({"LlamaAtention": A, "Qwen2MoeExpert": B})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"modelpatch: patch key {key!r} names no module class of the installed Transformers {transformers_version} "
+        f"nor of loaded remote code: did you mean {close!r}? The key replaces nothing unless remote code loaded later "
+        "defines that class"
+        for key, close in (("LlamaAtention", "LlamaAttention"), ("Qwen2MoeExpert", "Qwen2MoeExperts"))
+    ]
+    before = get_patch_mapping()
+    with pytest.raises(UnmatchedPatchKeyError, match=r"'llamamlp'.*did you mean 'LlamaMLP'\? \(class names are case"):
+        register_patch_mapping({"LlamaMLP": B, "llamamlp": B}, strict=True)
+    set_strict_patching(True)
+    try:
+        with pytest.raises(UnmatchedPatchKeyError, match=r"'GPT2Atention'.*'GPT2Attention'.*nothing was registered"):
+            register_patch_mapping({"GPT2Atention": A})
+    finally:
+        set_strict_patching(False)
+    assert get_patch_mapping() == before

@@ -8,8 +8,9 @@ one line ``modelpatch: error: ...`` on stderr, never a traceback. ``modelpatch``
 ``modelpatch --version`` prints the installed version.
 
 Each subcommand runs in a fresh ``contextvars`` context (no ``apply_patches`` block of an in-process caller applies)
-inside a :class:`~.sandbox.CommandSandbox` (nothing registered process-wide applies, and what a patches file
-registers is taken back afterwards), so ``verify``'s reference load is always the unpatched model.
+inside a :class:`~.sandbox.CommandSandbox` (registries of its own: nothing the caller registered applies, what a
+patches file registers is gone afterwards, other threads see theirs unchanged meanwhile), so ``verify``'s
+reference load is always the unpatched model.
 
 Modules: the subcommands (each exposes ``add_parser(subparsers)`` and ``main(args) -> int``) and what they share:
 
@@ -18,7 +19,7 @@ Modules: the subcommands (each exposes ``add_parser(subparsers)`` and ``main(arg
 ``convert``     :func:`~modelpatch.convert_checkpoint` from the command line
 ``routing_check`` an engine's MoE routes vs the model's own routing (R3's measures), replayed, ``--plot``
 ``sources``     where the patches come from: ``--recipe``, ``--patches FILE|MODULE`` (defined or registered)
-``sandbox``     every command runs with nothing registered process-wide in force, and restores it afterwards
+``sandbox``     every command runs with registries of its own (per thread / asyncio task), empty at the start
 ``checkpoint``  reading a checkpoint folder (config, safetensors headers, index) with one-line errors
 ``inputs``      deterministic inputs and the generated default checkpoint (``$MODELPATCH_CACHE``)
 ``provenance``  every parameter compared by value with the checkpoint tensor it came from
@@ -84,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_transformers():
     """Transformers' progress bars and Transformers'/modelpatch's warnings off while a command runs (the command
     reports its findings itself: unused keys, conflicts, rules that matched nothing); restored afterwards, so
-    ``main()`` can be called in-process."""
+    ``main()`` can be called in-process. Process-wide, unlike the registries (see :mod:`.sandbox`): logging levels
+    and Transformers' progress-bar switch have no per-thread form, so other threads' warnings are quiet too while
+    a command runs in-process."""
     import logging as std_logging
 
     from transformers.utils import logging

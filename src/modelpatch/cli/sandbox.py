@@ -13,24 +13,40 @@ the patched model with itself).
 * :class:`TransformersRegistries` does the same for Transformers' own registries
   (``transformers.monkey_patching.register_patch_mapping``, ``transformers.conversion_mapping.
   register_checkpoint_conversion_mapping``), which Transformers applies to every ``from_pretrained`` by itself.
-* :class:`CommandSandbox` (entered by :func:`modelpatch.cli.main` around every subcommand) takes every global
-  registration of both out of force and turns registry-wide strict mode off for the command, and on exit restores
-  them exactly (order of the patch keys and each rule set's ``overwrite``/``strict`` flags included); folders it put
-  on ``sys.path`` for a patches file are removed again and the modules imported from them are forgotten, so a second
-  command in the same process imports them afresh.
+* :class:`CommandSandbox` (entered by :func:`modelpatch.cli.main` around every subcommand) gives the command's
+  context (its thread / asyncio task) registries of its own, empty and with registry-wide strict mode off
+  (:func:`~modelpatch.patching.registry.isolated_patch_registry`,
+  :func:`~modelpatch.conversion.registry.isolated_conversion_registry`, ``ContextVar`` s like the patch scopes):
+  what the caller registered is not in force for the command, what the command registers is gone after it, and
+  every other thread or task sees its registrations unchanged while the command runs (a second thread loading a
+  model meanwhile gets the caller's patches). Folders it put on ``sys.path`` for a patches file are removed again
+  and the modules imported from them are forgotten, so a second command in the same process imports them afresh.
 
-The registries are process-wide: another thread loading a model while a command runs in-process sees them empty.
+Two things stay process-wide, because there is no per-context version of them: ``sys.path`` / ``sys.modules`` (the
+import system has one of each per process; a patches file must be importable, and importable afresh by the next
+command), and Transformers' own registries (``transformers.monkey_patching``'s patch mapping and
+``transformers.conversion_mapping``'s table are module globals that every ``from_pretrained`` of every thread reads):
+what a user registered *there* is out of force for every thread while a command runs (nothing changes when nothing
+was registered there, the usual case). (Logging levels, which :func:`modelpatch.cli.main` lowers around the
+command, are process-wide too.)
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from contextlib import ExitStack
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from ..conversion import register_checkpoint_conversion_mapping, unregister_checkpoint_conversion_mapping
-from ..conversion.registry import registered_conversion_mappings
-from ..patching.registry import get_patch_mapping, register_patch_mapping, set_strict_patching, unregister_patch_mapping
+from ..conversion.registry import isolated_conversion_registry, registered_conversion_mappings
+from ..patching.registry import (
+    get_patch_mapping,
+    isolated_patch_registry,
+    register_patch_mapping,
+    unregister_patch_mapping,
+)
 
 __all__ = [
     "Registrations",
@@ -162,33 +178,34 @@ class TransformersRegistries:
             conversion_mapping.USER_REGISTERED_MAPPINGS.update(self.user_names)
 
 
-_ACTIVE: list[CommandSandbox] = []
+_ACTIVE: ContextVar[tuple[CommandSandbox, ...]] = ContextVar("modelpatch_cli_sandboxes", default=())
 
 
 def active_sandbox() -> CommandSandbox | None:
-    """The innermost :class:`CommandSandbox` that is open, or ``None``."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    """The innermost :class:`CommandSandbox` open in the current thread / asyncio task, or ``None``."""
+    active = _ACTIVE.get()
+    return active[-1] if active else None
 
 
 class CommandSandbox:
     """Context manager around one command (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._saved = Registrations()
-        self._strict = False
         self._saved_transformers: TransformersRegistries | None = None
         self._paths: list[str] = []
         self._modules_before: set[str] = set()
         self._forget: set[str] = set()
+        self._isolation = ExitStack()
 
     def __enter__(self) -> CommandSandbox:
-        self._saved = current_registrations()
         self._saved_transformers = TransformersRegistries.read()
         self._modules_before = set(sys.modules)
-        set_registrations(Registrations())
+        # modelpatch's registries: per context, so other threads / tasks keep theirs
+        self._isolation.enter_context(isolated_patch_registry())
+        self._isolation.enter_context(isolated_conversion_registry())
+        self._isolation.callback(_ACTIVE.reset, _ACTIVE.set((*_ACTIVE.get(), self)))
+        # Transformers' registries are module globals read by every thread's loads (see the module docstring)
         self._saved_transformers.without_user_entries().restore()
-        self._strict = set_strict_patching(False)
-        _ACTIVE.append(self)
         return self
 
     def add_import_path(self, folder: str) -> None:
@@ -204,16 +221,16 @@ class CommandSandbox:
         self._forget.add(name)
 
     def __exit__(self, *exc_info) -> None:
-        _ACTIVE.remove(self)
         try:
-            set_registrations(self._saved)
             if self._saved_transformers is not None:
                 self._saved_transformers.restore()
         finally:
-            set_strict_patching(self._strict)
+            self._isolation.close()  # what the command registered goes with its registries
             self._forget_imports()
 
     def _forget_imports(self) -> None:
+        # sys.modules and sys.path are process-wide by nature (one import system per process): the patches file's
+        # modules are forgotten for every thread, so that the next command imports the file afresh
         for name in self._forget:
             sys.modules.pop(name, None)
         for folder in self._paths:

@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 
 from ..patching.provenance import build_record
 from . import registry
+from .errors import ConversionError
 from .overlap import drop_replaced_builtins, has_target_layout, overlaps
 from .rules import rule_layout
 from .state import get_state
@@ -54,36 +55,96 @@ def _scope_of(model, module_name: str) -> str | None:
     return module_name.removeprefix(model.base_model_prefix).removeprefix(".")
 
 
+def _covers(ancestor: str, module_name: str) -> bool:
+    """Whether the sub-model at ``ancestor`` holds the one at ``module_name`` (or is it)."""
+    return ancestor == "" or ancestor == module_name or module_name.startswith(ancestor + ".")
+
+
+def _where(model, module_name: str) -> str:
+    if module_name == "":
+        return f"the root model ({type(model).__name__})"
+    return f"sub-model '{module_name}' ({type(model.get_submodule(module_name)).__name__})"
+
+
+def _check_no_conflict(model, resolved: ResolvedRules, placed: list, module_name: str, ruleset, rules: list) -> list:
+    """``rules`` (of ``ruleset``, for the sub-model at ``module_name``) without exact copies of an enclosing entry's
+    rules; raises when one touches the same parameters as a different rule of an enclosing entry: only one of them
+    can read a checkpoint key (renamings chain, then the first matching converter wins), so the other would lose
+    silently."""
+    kept = []
+    for rule in rules:
+        duplicate = False
+        for outer_name, outer_ruleset, outer_scope in placed:
+            if outer_name == module_name or not _covers(outer_name, module_name):
+                continue
+            mine = (r for r in resolved.rules if resolved.owner[id(r)] == outer_ruleset.name)
+            for outer in (r for r in mine if r.scope_prefix == outer_scope):
+                if not overlaps(outer, rule):
+                    continue
+                if repr(outer) == repr(rule):
+                    duplicate = True
+                    continue
+                raise ConversionError(
+                    f"conflicting conversion rules for {_where(model, module_name)}: {rule!r} registered under "
+                    f"{ruleset.name!r} and {outer!r} registered under {outer_ruleset.name!r} (for "
+                    f"{_where(model, outer_name)}, which holds it) touch the same parameters, and only one of them "
+                    "can read a checkpoint key; register the rules under one name, or unregister one of them"
+                )
+        if not duplicate:
+            kept.append(rule)
+    return kept
+
+
 def resolve_model_rules(model) -> ResolvedRules | None:
-    """User rules in effect for ``model`` and its sub-models, or ``None`` when there are none."""
+    """User rules in effect for ``model`` and its sub-models, or ``None`` when there are none.
+
+    Walks the ``PreTrainedModel`` sub-modules like Transformers' ``get_model_conversion_mapping``: each is looked up
+    by class name, then by ``model_type``; a sub-model's rules only apply under its prefix. An entry covers the
+    subtree of its sub-model: a class name (and, when found by ``model_type`` or by class name, that
+    ``model_type``) is not looked up again below it. A sub-model's *class-name* entry still applies below an
+    ancestor's ``model_type`` entry (``LlamaModel`` rules inside a ``LlamaForCausalLM`` loaded with ``llama``
+    rules), as in Transformers.
+
+    Raises:
+        ConversionError: a rule of a sub-model's class-name entry and a different rule of an enclosing entry touch
+            the same parameters (naming both rules and both registry names). Exact copies are applied once.
+    """
     if not registry.has_rules():
         return None
     resolved = ResolvedRules()
     claimed: dict[str, list[str]] = {}
+    placed: list = []  # (module_name, ruleset, scope) in walk order
     for module_name, sub in _submodels(model):
         class_name: str = type(sub).__name__
         model_type: str | None = getattr(sub.config, "model_type", None)
-        if any(
-            seen == "" or module_name.startswith(seen + ".")
-            for ident in (class_name, model_type)
-            if ident is not None
-            for seen in claimed.get(ident, [])
-        ):
-            continue  # an ancestor's rules (class-name or model_type entry) already cover this subtree
-        ruleset = registry.lookup(class_name) or registry.lookup(model_type)
+
+        def covered(ident: str | None, module_name: str = module_name) -> bool:
+            return ident is not None and any(_covers(seen, module_name) for seen in claimed.get(ident, []))
+
+        if covered(class_name):
+            continue  # an ancestor of the same class already brought its rules for this subtree
+        ruleset = registry.lookup(class_name)
+        if ruleset is None:
+            if covered(model_type):
+                continue  # an ancestor's rules (class-name or model_type entry) already cover this subtree
+            ruleset = registry.lookup(model_type)
         if ruleset is None:
             continue
         # A class-name entry wins over the model_type entry for the whole subtree of that model.
-        for ident in [i for i in {ruleset.name, model_type} if i is not None]:
+        for ident in [i for i in {ruleset.name, class_name, model_type} if i is not None]:
             claimed.setdefault(ident, []).append(module_name)
         scope = _scope_of(model, module_name)
+        rules = []
         for rule in ruleset.fresh_rules():
             if scope is not None:
                 rule.scope_prefix = scope
                 rule.base_model_prefix = model.base_model_prefix
+            rules.append(rule)
+        for rule in _check_no_conflict(model, resolved, placed, module_name, ruleset, rules):
             resolved.rules.append(rule)
             resolved.owner[id(rule)] = ruleset.name
         resolved.entries.append((ruleset, scope, sub))
+        placed.append((module_name, ruleset, scope))
     return resolved if resolved.entries else None
 
 

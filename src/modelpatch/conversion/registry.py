@@ -1,6 +1,7 @@
 """Registry of user conversion rules, keyed by ``model_type`` or class name, global or scoped.
 
-Global entries live in a process-wide dict guarded by a lock; scoped entries (:func:`apply_conversion_rules`) live in a
+Global entries live in a process-wide dict guarded by a lock (inside :func:`isolated_conversion_registry`, the CLI's
+in-process sandbox, in a dict of the current thread / asyncio task instead); scoped entries (:func:`apply_conversion_rules`) live in a
 ``ContextVar`` stack and vanish when the block exits, also on error. Transformers' own rule table is never mutated
 (in Transformers a user override of ``qwen2_moe`` survived ``clear_patch_mapping()`` and broke every later vanilla
 load); built-in rules are read from it and composed at load/save time (see :mod:`.compose`).
@@ -39,6 +40,7 @@ __all__ = [
     "apply_conversion_rules",
     "lookup",
     "has_rules",
+    "isolated_conversion_registry",
 ]
 
 
@@ -64,6 +66,29 @@ _lock = threading.RLock()
 _global: dict[str, RuleSet] = {}
 _cleared: set[str] = set()  # names removed by a clear, so a later unregister of them is a no-op
 _scoped: ContextVar[tuple[Mapping[str, RuleSet], ...]] = ContextVar("modelpatch_conversion_scopes", default=())
+# ``(rules, cleared)`` of the current context inside :func:`isolated_conversion_registry`, else ``None``
+_isolated: ContextVar[tuple[dict[str, RuleSet], set[str]] | None] = ContextVar(
+    "modelpatch_isolated_conversion_registry", default=None
+)
+
+
+def _store() -> tuple[dict[str, RuleSet], set[str]]:
+    """``(registered rule sets, names removed by a clear)`` that the current context reads and writes."""
+    isolated = _isolated.get()
+    return (_global, _cleared) if isolated is None else isolated
+
+
+@contextmanager
+def isolated_conversion_registry() -> Iterator[None]:
+    """Inside the block, the current thread / asyncio task (and only it) sees no globally registered user rule;
+    registrations made inside are its own and are gone after the block. Other threads and tasks keep reading and
+    writing the process-wide registry meanwhile, unchanged. Scoped :func:`apply_conversion_rules` blocks are not
+    affected. What the CLI's in-process sandbox (:class:`modelpatch.cli.sandbox.CommandSandbox`) enters."""
+    token = _isolated.set(({}, set()))
+    try:
+        yield
+    finally:
+        _isolated.reset(token)
 
 
 @functools.cache
@@ -125,7 +150,11 @@ def register_checkpoint_conversion_mapping(
 
     Args:
         model_type_or_class_name: key the rules are looked up by, for the root model and for each sub-model
-            (whose rules then only apply under its own prefix).
+            (whose rules then only apply under its own prefix). A sub-model's class name applies beside the rules
+            an ancestor has by ``model_type`` (``"LlamaModel"`` in a ``LlamaForCausalLM`` loaded with ``"llama"``
+            rules); a rule of each touching the same parameters makes loads and saves raise ``ConversionError``
+            naming both. A name no installed Transformers model type or class has is named in a warning with the
+            closest known name.
         mapping: list of :class:`WeightConverter` / :class:`WeightRenaming` (Transformers' classes are accepted and
             rebuilt as modelpatch rules).
         overwrite: replace an earlier user registration of the same name and drop all built-in rules of that name.
@@ -134,19 +163,22 @@ def register_checkpoint_conversion_mapping(
         strict: a rule that matches no checkpoint key raises at load time instead of logging a warning.
 
     Raises:
-        ValueError: the name is already registered by the user and ``overwrite`` is false (registry unchanged).
+        ValueError: the name is already registered by the user and ``overwrite`` is false, or it is a name no
+            installed Transformers model type or class has and ``strict`` (or strict mode) is on (registry
+            unchanged).
         TypeError: bad name or rule type (registry unchanged).
     """
     ruleset = _make_ruleset(model_type_or_class_name, mapping, overwrite, strict)
     require_hooks()
     with _lock:
-        if model_type_or_class_name in _global and not overwrite:
+        registered, cleared = _store()
+        if model_type_or_class_name in registered and not overwrite:
             raise ModelpatchValueError(
                 f"Conversion mapping for '{model_type_or_class_name}' is already registered; pass overwrite=True "
                 "to replace it or unregister it first."
             )
-        _global[model_type_or_class_name] = ruleset
-        _cleared.discard(model_type_or_class_name)
+        registered[model_type_or_class_name] = ruleset
+        cleared.discard(model_type_or_class_name)
 
 
 _hooks_installed = False  # set by :mod:`.hooks`, which wraps Transformers' load/save functions
@@ -185,29 +217,31 @@ def unregister_checkpoint_conversion_mapping(model_type_or_class_name: str, *, m
         KeyError: nothing was ever registered under that name and ``missing_ok`` is false (registry unchanged).
     """
     with _lock:
-        if model_type_or_class_name not in _global:
-            if missing_ok or model_type_or_class_name in _cleared:
-                _cleared.discard(model_type_or_class_name)
+        registered, cleared = _store()
+        if model_type_or_class_name not in registered:
+            if missing_ok or model_type_or_class_name in cleared:
+                cleared.discard(model_type_or_class_name)
                 return
             raise ModelpatchKeyError(
-                f"No conversion mapping registered for '{model_type_or_class_name}'; registered: {sorted(_global)}"
+                f"No conversion mapping registered for '{model_type_or_class_name}'; registered: {sorted(registered)}"
             )
-        del _global[model_type_or_class_name]
+        del registered[model_type_or_class_name]
 
 
 def registered_conversion_mappings() -> dict[str, RuleSet]:
     """The user rules registered globally now: ``{model_type or class name: RuleSet}`` in registration order (a
     copy; scoped :func:`apply_conversion_rules` blocks are not part of it, Transformers' built-ins neither)."""
     with _lock:
-        return dict(_global)
+        return dict(_store()[0])
 
 
 def clear_checkpoint_conversion_mappings() -> None:
     """Remove every globally registered user rule (scoped blocks clean up themselves). A later
     :func:`unregister_checkpoint_conversion_mapping` of a name removed here is a no-op."""
     with _lock:
-        _cleared.update(_global)
-        _global.clear()
+        registered, cleared = _store()
+        cleared.update(registered)
+        registered.clear()
 
 
 on_clear(clear_checkpoint_conversion_mappings)  # clear_patch_mapping() clears user conversion rules too
@@ -222,8 +256,9 @@ def lookup(name: str | None) -> RuleSet | None:
         return None
     sets = [scope[name] for scope in reversed(_scoped.get()) if name in scope]
     with _lock:
-        if name in _global:
-            sets.append(_global[name])
+        registered = _store()[0]
+        if name in registered:
+            sets.append(registered[name])
     if len(sets) <= 1:
         return sets[0] if sets else None
     rules = list(sets[0].rules)
@@ -234,7 +269,7 @@ def lookup(name: str | None) -> RuleSet | None:
 
 def has_rules() -> bool:
     """Whether any user rule is in effect in the current context."""
-    return bool(_scoped.get()) or bool(_global)
+    return bool(_scoped.get()) or bool(_store()[0])
 
 
 def builtin_rules(name: str | None) -> list[_tcml.WeightTransform] | None:

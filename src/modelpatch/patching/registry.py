@@ -10,18 +10,29 @@ with :func:`re.search` against the class name. Resolution of a class name:
 
 This differs from ``transformers.monkey_patching`` on purpose: there an identifier key is also tried
 as a regex, so ``"LlamaAttention"`` also hits ``DiffLlamaAttention`` and breaks that model.
+
+The registry is process-wide, except inside :func:`isolated_patch_registry` (the CLI's in-process sandbox): there
+the current thread / asyncio task reads and writes a registry of its own, and every other context keeps seeing the
+process-wide one.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch.nn as nn
+from transformers import __version__ as transformers_version
+from transformers.utils import logging
 
 from ..errors import ModelpatchTypeError, ModelpatchValueError
+
+logger = logging.get_logger("modelpatch")
 
 __all__ = [
     "PatchRule",
@@ -35,6 +46,8 @@ __all__ = [
     "set_strict_patching",
     "is_strict_patching",
     "on_clear",
+    "isolated_patch_registry",
+    "unknown_class_key_message",
 ]
 
 
@@ -168,7 +181,7 @@ class _Registry:
         self._rules = rules
         self._snapshot = PatchMapping(tuple(rules.values())) if rules else EMPTY_MAPPING
 
-    def register(self, mapping: Mapping[str, type], overwrite: bool) -> None:
+    def register(self, mapping: Mapping[str, type] | PatchMapping, overwrite: bool) -> None:
         new = build_patch_mapping(mapping)
         with self._lock:
             if not overwrite:
@@ -202,9 +215,57 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
+_ISOLATED: ContextVar[_Registry | None] = ContextVar("modelpatch_isolated_patch_registry", default=None)
 
 
-def register_patch_mapping(mapping: Mapping[str, type], overwrite: bool = False) -> None:
+def _registry() -> _Registry:
+    """The registry the current context reads and writes: its own inside :func:`isolated_patch_registry`."""
+    isolated = _ISOLATED.get()
+    return _REGISTRY if isolated is None else isolated
+
+
+@contextmanager
+def isolated_patch_registry() -> Iterator[None]:
+    """Inside the block, the current thread / asyncio task (and only it) sees an empty patch registry with
+    registry-wide strict mode off; registrations made inside go to that registry and are gone after the block.
+    Other threads and tasks keep reading and writing the process-wide registry meanwhile, unchanged.
+
+    What the CLI's in-process sandbox (:class:`modelpatch.cli.sandbox.CommandSandbox`) enters around a command.
+    """
+    token = _ISOLATED.set(_Registry())
+    try:
+        yield
+    finally:
+        _ISOLATED.reset(token)
+
+
+def unknown_class_key_message(key: str) -> str | None:
+    """A message naming ``key`` and the closest known class name when the exact key ``key`` names no class a patch
+    can replace (a module class of the installed Transformers, imported or not, or of loaded remote code) but is
+    spelled like one (:func:`difflib.get_close_matches`, or the same name in another case): a typo such as
+    ``'LlamaAtention'``. ``None`` otherwise: a known class; a regular expression; or a name like no known class,
+    which may be a class of remote code loaded later (a build judges those keys, see
+    :meth:`~modelpatch.PatchScope.finish`)."""
+    if not key.isidentifier():
+        return None
+    from .catalog import CATALOG, known_class_names
+
+    known = known_class_names()
+    if key in known or CATALOG.classes_named(key):
+        return None
+    same_but_case = sorted(name for name in known if name.lower() == key.lower())
+    close = same_but_case or difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.92)
+    if not close:
+        return None
+    return (
+        f"modelpatch: patch key {key!r} names no module class of the installed Transformers {transformers_version} "
+        f"nor of loaded remote code: did you mean {close[0]!r}?"
+        + (" (class names are case-sensitive)" if same_but_case else "")
+        + " The key replaces nothing unless remote code loaded later defines that class"
+    )
+
+
+def register_patch_mapping(mapping: Mapping[str, type], overwrite: bool = False, *, strict: bool = False) -> None:
     """Register class replacements that every later ``from_pretrained``/``from_config`` build applies.
 
     Args:
@@ -212,15 +273,29 @@ def register_patch_mapping(mapping: Mapping[str, type], overwrite: bool = False)
             any other key is a regular expression matched with :func:`re.search` against class names.
             Exact keys win over patterns; among patterns the first registered wins.
         overwrite: replace keys that are already registered instead of raising.
+        strict: an exact key spelled like a known class but naming none (see :func:`unknown_class_key_message`)
+            raises instead of logging a warning (registry-wide strict mode, :func:`set_strict_patching`, does too).
+            Keys like no known class are judged by the builds (a warning, or the error in strict mode).
 
     Raises:
         TypeError: a value is not a class or not an ``nn.Module`` subclass (names the key).
         ValueError: a key is an invalid regular expression (names the key and the ``re`` error), or is
             already registered and ``overwrite`` is false.
+        UnmatchedPatchKeyError: ``strict`` (or strict mode) and an exact key is a misspelled class name (such as
+            ``'LlamaAtention'``); the message names the closest known class name.
 
     A call that raises leaves the registry exactly as it was.
     """
-    _REGISTRY.register(mapping, overwrite)
+    registry = _registry()
+    validated = build_patch_mapping(mapping)  # type and pattern errors first
+    messages = [m for m in map(unknown_class_key_message, validated.keys) if m is not None]
+    if messages and (strict or registry.strict):
+        from .scopes import UnmatchedPatchKeyError
+
+        raise UnmatchedPatchKeyError("\n".join(messages) + " (strict); nothing was registered")
+    registry.register(validated, overwrite)
+    for message in messages:
+        logger.warning(message)
 
 
 def unregister_patch_mapping(keys: Iterable[str], *, missing_ok: bool = False) -> None:
@@ -236,7 +311,7 @@ def unregister_patch_mapping(keys: Iterable[str], *, missing_ok: bool = False) -
     Raises:
         ValueError: a key was never registered and ``missing_ok`` is false; nothing is removed then.
     """
-    _REGISTRY.unregister(keys, missing_ok)
+    _registry().unregister(keys, missing_ok)
 
 
 def clear_patch_mapping() -> None:
@@ -247,7 +322,7 @@ def clear_patch_mapping() -> None:
     leave its experts randomly initialised. Transformers' built-in rules are never touched. (The
     conversion layer registers its clean-up with :func:`on_clear`; this module does not import it.)
     """
-    _REGISTRY.clear()
+    _registry().clear()
     for callback in list(_CLEAR_CALLBACKS):
         callback()
 
@@ -267,12 +342,12 @@ def on_clear(callback: Callable[[], None]) -> None:
 
 def get_patch_mapping() -> dict[str, type]:
     """A copy of the registry: ``{key: replacement_class}`` in registration order."""
-    return _REGISTRY.snapshot().as_dict()
+    return _registry().snapshot().as_dict()
 
 
 def registered_patch_mapping() -> PatchMapping:
     """The registry's current immutable snapshot."""
-    return _REGISTRY.snapshot()
+    return _registry().snapshot()
 
 
 def set_strict_patching(enabled: bool = True) -> bool:
@@ -280,10 +355,11 @@ def set_strict_patching(enabled: bool = True) -> bool:
 
     Returns the previous setting, so callers can restore it.
     """
-    previous, _REGISTRY.strict = _REGISTRY.strict, bool(enabled)
+    registry = _registry()
+    previous, registry.strict = registry.strict, bool(enabled)
     return previous
 
 
 def is_strict_patching() -> bool:
     """Whether registry-wide strict mode is on (see :func:`set_strict_patching`)."""
-    return _REGISTRY.strict
+    return _registry().strict
