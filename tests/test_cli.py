@@ -59,7 +59,18 @@ def test_verify_without_arguments_runs_the_full_example(cache, capsys):
     assert {k for p in report["provenance"] for k in p["checkpoint_keys"]} == stored
     assert report["output"]["kind"] == "logits" and report["output"]["max_abs_diff"] <= 1e-5
     assert report["round_trip"] == {"bit_exact": True, "first_difference": None}
-    assert [c["name"] for c in report["checks"]] == ["patches", "loading", "provenance", "outputs", "round trip"]
+    assert [c["name"] for c in report["checks"]] == [
+        "patches", "loading", "provenance", "outputs", "padding", "cache (dynamic)", "cache (static)", "generate",
+        "routing", "round trip",
+    ]  # fmt: skip
+    # the paths patches break, against the unpatched model: every figure within float32 noise
+    paths = {p["name"]: p for p in report["paths"]}
+    assert all(
+        p["status"] == "ok" and 0 <= p["figure"] <= 1e-5 and p["first_divergence"] is None for p in paths.values()
+    )
+    assert paths["routing"]["detail"] == "the same experts for all 20 tokens x 2 MoE layers"
+    assert paths["generate"]["detail"].startswith("8 of 8 greedy tokens equal (2 rows x 4, left-padded)")
+    assert "prefill 12 + 4 decode step(s)" in paths["cache (static)"]["detail"]
     # the table form passes too, and says so
     assert main(["verify", "--no-progress"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS")
@@ -90,6 +101,13 @@ def test_verify_real_minilm_checkpoint(capsys):
     assert len(report["patch_report"]["replaced"]) == 6
     assert report["round_trip"]["bit_exact"] is True
     assert {p["status"] for p in report["provenance"]} == {"checkpoint"}
+    # an encoder: the padded batch is compared (last hidden states), the decoding paths are skipped, never passed
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["padding"]["status"] == "ok" and "max abs diff of outputs" in checks["padding"]["detail"]
+    no_head = "BertModel has no generation head (can_generate() is False)"
+    for name in ("cache (dynamic)", "cache (static)", "generate"):
+        assert checks[name] == {"name": name, "ok": None, "status": "skipped", "detail": no_head}
+    assert checks["routing"]["status"] == "skipped" and checks["routing"]["detail"] == "BertModel has no MoE router"
 
 
 def test_verify_fails_for_a_patch_without_conversion_rules(tmp_path, capsys):
@@ -100,7 +118,7 @@ def test_verify_fails_for_a_patch_without_conversion_rules(tmp_path, capsys):
         "from modelpatch.recipes import FUSED_QKV_CLASSES\n"
         "PATCH_MAPPING = {'LlamaAttention': FUSED_QKV_CLASSES['llama']}\n"
     )
-    code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches)])
+    code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches), "--checks", "none"])
     assert code == 1 and report["ok"] is False
     checks = {c["name"]: c["ok"] for c in report["checks"]}
     assert checks == {"patches": True, "loading": False, "provenance": False, "outputs": False, "round trip": False}
@@ -166,6 +184,8 @@ def test_recipes_lists_no_recipe_the_support_table_measured_inexact(capsys):
             "no linear-experts recipe for 'laguna' on this Transformers release: measured on Transformers ",
         ),
         (["verify", "--model", MINILM_DIR, "--patches", "{empty}"], "defines no PATCH_MAPPING dict (or RECIPE)"),
+        (["verify", "--checks", "padding,kv"], "unknown check(s) kv; choose from padding, cache, generate, routing"),
+        (["verify", "--new-tokens", "0"], "--new-tokens: must be an integer >= 1, got '0'"),
     ],
 )
 def test_one_line_errors(argv, message, tmp_path, capsys):
@@ -217,7 +237,9 @@ def test_explain_reads_no_weights_and_reports(tmp_path, capsys):
     assert report["conversion_rules"][0]["checkpoint_keys"] is None
     # with the real folder, the rule's matches come from the safetensors header
     code, report = run_json(capsys, ["explain", "--model", MINILM_DIR, "--recipe", "bert-fused-qkv"])
+    assert code == 0 and report["problems"] == {"patches": [], "loading": []}
     assert len(report["conversion_rules"][0]["checkpoint_keys"]) == 36  # 6 layers x q/k/v x weight/bias
+    assert report["conversion_rules"][0]["registered_as"] == "bert"
 
 
 def test_explain_reports_container_conflict_and_unmatched_key(tmp_path, capsys):
@@ -230,6 +252,10 @@ def test_explain_reports_container_conflict_and_unmatched_key(tmp_path, capsys):
     assert code == 1
     assert report["replaced"][".*Attention"] == {"BertAttention -> FusedQKVBertSelfAttention": 12}
     assert report["unmatched_keys"] == ["BertAtention"]
+    assert report["problems"]["patches"] == [
+        "keys that replaced nothing: ['BertAtention']",
+        "2 container/inner conflict(s)",
+    ]
     assert len(report["conflicts"]) == 2
     assert all("container BertAttention" in c for c in report["conflicts"])
     assert any("BertSelfAttention" in c for c in report["conflicts"])

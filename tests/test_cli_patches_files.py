@@ -299,6 +299,175 @@ def test_verify_on_a_converted_folder_says_so(llama, tmp_path, capsys):
     )
 
 
+# -- defect: patches that break the KV cache, the attention mask or the load got PASS (or exit 2) ------------------
+
+# exact on one unpadded forward (the "outputs" check passes), wrong on the paths users run
+BAD_ATTENTION = {
+    # the cache is never written: decoding attends to the new token only
+    "ignores past_key_values": """
+        class BadAttention(LlamaAttention):
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                        **kwargs):
+                return super().forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
+    """,
+    # the keys are cached before the rotary embedding: position 0 (no rotation) agrees, position 1 does not
+    "caches unrotated keys": """
+        import transformers.models.llama.modeling_llama as llama
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        class BadAttention(LlamaAttention):
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                        **kwargs):
+                shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+                q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+                k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+                v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+                if past_key_values is not None:
+                    past_key_values.update(k, v, self.layer_idx)  # appends the wrong keys ...
+                q, k = llama.apply_rotary_pos_emb(q, k, *position_embeddings)  # ... attends with the right ones
+                attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+                    self.config._attn_implementation, llama.eager_attention_forward
+                )
+                out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)
+                return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+    """,
+    # no mask at all: SDPA falls back to is_causal, exact without padding
+    "ignores the attention mask": """
+        class BadAttention(LlamaAttention):
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+                return super().forward(hidden_states, position_embeddings, None, **kwargs)
+    """,
+}
+
+
+def _bad_attention(tmp_path, name: str) -> str:
+    body = "from transformers.models.llama.modeling_llama import LlamaAttention\n"
+    body += textwrap.dedent(BAD_ATTENTION[name]) + "\nPATCH_MAPPING = {'LlamaAttention': BadAttention}\n"
+    return write(tmp_path / "bad_attention.py", body)
+
+
+@pytest.mark.parametrize("name", ["ignores past_key_values", "caches unrotated keys"])
+def test_attention_that_mishandles_the_kv_cache_fails_the_cache_check(name, llama, tmp_path, capsys):
+    argv = ["verify", "--model", llama, "--patches", _bad_attention(tmp_path, name), "--no-progress"]
+    code, report = run_json(capsys, [*argv, "--checks", "padding,cache", "--new-tokens", "2"])
+    assert code == 1 and report["ok"] is False
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["outputs"]["ok"] and checks["padding"]["ok"]  # one forward cannot tell
+    assert checks["outputs"]["detail"] == "max abs diff of logits 0 (atol 1e-05)"
+    paths = {p["name"]: p for p in report["paths"]}
+    for kind in ("dynamic", "static"):
+        cache = paths[f"cache ({kind})"]
+        assert cache["status"] == "FAIL" and checks[f"cache ({kind})"]["ok"] is False
+        if name == "ignores past_key_values":
+            length = 12 if kind == "dynamic" else 12 + 2  # a static cache is allocated for the new tokens too
+            assert cache["detail"] == f"prefill: layer 0 keys not cached, unpatched (2, 2, {length}, 16)"
+            assert cache["first_divergence"] == {"layer": 0, "step": 0}
+        else:
+            assert cache["detail"].startswith("prefill: layer 0 keys differ by ")
+            assert cache["detail"].endswith("; first: row 0, token 1, layer 0")
+            assert cache["first_divergence"] == {"row": 0, "token": 1, "layer": 0, "step": 0}
+            assert cache["figure"] > 0.01
+
+
+def test_attention_that_ignores_the_mask_fails_the_padding_check(llama, tmp_path, capsys):
+    patches = _bad_attention(tmp_path, "ignores the attention mask")
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "padding"]
+    code, report = run_json(capsys, argv)
+    assert code == 1
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["outputs"]["ok"] and [p["name"] for p in report["paths"]] == ["padding"]
+    padding = report["paths"][0]
+    # row 1 is left-padded by 4 (12 -> 8 tokens): its first real token attends the pads
+    assert padding["status"] == "FAIL" and padding["first_divergence"] == {"row": 1, "token": 4}
+    assert checks["padding"]["detail"] == (
+        f"max abs diff of logits at 20 non-pad positions {padding['figure']:.3g} (atol 1e-05; 4 left pad(s)); first "
+        "beyond atol: row 1, token 4"
+    )
+
+
+WIDE_ATTENTION = """
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+class WideAttention(LlamaAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size + 8, bias=False)
+
+PATCH_MAPPING = {"LlamaAttention": WideAttention}
+"""
+
+GATED_ATTENTION = """
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+class GatedAttention(LlamaAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.gate = nn.Parameter(torch.ones(config.hidden_size))
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * self.gate, weights
+
+PATCH_MAPPING = {"LlamaAttention": GatedAttention}
+"""
+
+UNFIRED_RULE = """
+from modelpatch.conversion import Concatenate, WeightConverter, WeightRenaming
+from modelpatch.recipes.attention import FusedQKVLlamaAttention
+
+PATCH_MAPPING = {"LlamaAttention": FusedQKVLlamaAttention}
+CONVERSION_RULES = {"llama": [
+    WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], operations=[Concatenate(dim=0)]),
+    WeightRenaming("attn_old", "self_attn"),  # a layout this checkpoint is not in
+]}
+"""
+
+PLAN_CASES = {
+    "shapes the checkpoint cannot fill": (
+        WIDE_ATTENTION,
+        "mismatched_keys: model.layers.0.self_attn.o_proj.weight has (64, 64) in the checkpoint, (72, 64) in the "
+        "patched model; model.layers.1.self_attn.o_proj.weight has (64, 64) in the checkpoint, (72, 64) in the "
+        "patched model",
+    ),
+    "a parameter left at init": (
+        GATED_ATTENTION,
+        "missing_keys (left at their initial values): ['model.layers.0.self_attn.gate', 'model.layers.1.self_attn.gate']",
+    ),
+    "a rule that cannot fire": (
+        UNFIRED_RULE,
+        "rules that matched no checkpoint key: [\"WeightRenaming(source_patterns=['attn_old'], "
+        "target_patterns=['self_attn'])\"]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_CASES))
+def test_explain_fails_what_verify_fails_in_the_same_words(case, llama, tmp_path, capsys):
+    """What the headers and the meta model show: explain exits 1 with verify's words; a load that raises (the
+    shapes) is a FAIL of the patch (exit 1, naming key and shapes), not a bad argument (exit 2)."""
+    body, words = PLAN_CASES[case]
+    patches = write(tmp_path / "plan_case.py", body)
+    code, plan = run_json(capsys, ["explain", "--model", llama, "--patches", patches])
+    assert code == 1 and plan["problems"] == {"patches": [], "loading": [words]}
+    code, report = run_json(
+        capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "none"]
+    )
+    assert code == 1
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["patches"] == {"name": "patches", "ok": True, "status": "ok", "detail": "2 module(s) replaced"}
+    assert checks["loading"]["ok"] is False and checks["loading"]["detail"] == words
+    if case == "shapes the checkpoint cannot fill":
+        assert plan["mismatched_keys"][0] == {
+            "key": "model.layers.0.self_attn.o_proj.weight", "checkpoint_shape": [64, 64], "model_shape": [72, 64]
+        }  # fmt: skip
+        skipped = {name: c["detail"] for name, c in checks.items() if c["status"] == "skipped"}
+        assert skipped == dict.fromkeys(["provenance", "outputs", "round trip"], "the patched load failed")
+    assert get_patch_mapping() == {} and user_conversion_names() == set()
+
+
 # -- defect: tracebacks instead of one-line errors ------------------------------------------------------------------
 
 

@@ -57,7 +57,8 @@ RECIPE = dataclasses.replace(
 
 EXPERTS = [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
 PROJ = ("gate_proj", "up_proj", "down_proj")
-EVAL_CHECKS = ["patches", "loading", "provenance", "outputs", "round trip"]
+EVAL_CHECKS = ["patches", "loading", "provenance", "outputs", "padding", "cache (dynamic)", "cache (static)"]
+EVAL_CHECKS += ["generate", "routing", "round trip"]
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ class Findings:
             converted key, the checkpoint shape is the one the rule's operations produce).
         unfired: rules (as the conversion report names them) that matched no checkpoint key.
         load_error: the loader's own message when a load failed for a reason none of the above names.
+        replaced: modules the patch replaced (``None``: not counted here; ``verify`` states the count itself).
     """
 
     unmatched_keys: list[str] = field(default_factory=list)
@@ -49,6 +50,7 @@ class Findings:
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     unfired: list[str] = field(default_factory=list)
     load_error: str | None = None
+    replaced: int | None = None
 
 
 def _few(items: list, n: int = 3) -> str:
@@ -59,6 +61,8 @@ def problem_words(findings: Findings) -> dict[str, list[str]]:
     """``{"patches": [phrase, ...], "loading": [phrase, ...]}``: how ``verify`` (its checks of those names) and
     ``explain`` word each finding; an empty list for a check with nothing to report."""
     patches = []
+    if findings.replaced == 0:
+        patches.append("0 module(s) replaced")
     if findings.unmatched_keys:
         patches.append(f"keys that replaced nothing: {findings.unmatched_keys}")
     if findings.conflicts:
@@ -180,7 +184,7 @@ def static_findings(recipe, config, model_dir: str | None = None) -> tuple[Any, 
     with recipe.apply():
         model = build_on_meta(config)
     report = patch_report(model)
-    findings = Findings(list(report.unmatched_keys), [c.message() for c in report.conflicts])
+    findings = Findings(list(report.unmatched_keys), [c.message() for c in report.conflicts], replaced=len(report.rows))
     if model_dir is None or not has_weights(model_dir):
         return model, findings
     checkpoint_keys(model_dir)  # unreadable files are a one-line error

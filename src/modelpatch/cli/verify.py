@@ -415,10 +415,10 @@ def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, e
     result.unfired_rules = findings.unfired
     words = problem_words(findings)
     why = "the patched load failed"
-    skipped = ["provenance", "outputs", "round trip"]
-    skipped += [
-        n for c in PATH_CHECKS if c in checks for n in (("cache (dynamic)", "cache (static)") if c == "cache" else (c,))
-    ]
+    skipped = ["provenance", "outputs"]
+    for name in (c for c in PATH_CHECKS if c in checks):
+        skipped += ["cache (dynamic)", "cache (static)"] if name == "cache" else [name]
+    skipped.append("round trip")
     result.checks = [
         _patches_check(report, words),
         Check("loading", False, "; ".join(words["loading"])),
