@@ -184,8 +184,6 @@ def test_recipes_lists_no_recipe_the_support_table_measured_inexact(capsys):
             "no linear-experts recipe for 'laguna' on this Transformers release: measured on Transformers ",
         ),
         (["verify", "--model", MINILM_DIR, "--patches", "{empty}"], "defines no PATCH_MAPPING dict (or RECIPE)"),
-        (["verify", "--checks", "padding,kv"], "unknown check(s) kv; choose from padding, cache, generate, routing"),
-        (["verify", "--new-tokens", "0"], "--new-tokens: must be an integer >= 1, got '0'"),
     ],
 )
 def test_one_line_errors(argv, message, tmp_path, capsys):
@@ -219,6 +217,18 @@ def test_patches_module_in_the_current_directory(tmp_path, monkeypatch, capsys):
 def test_atol_must_be_finite_and_non_negative(atol, capsys):
     assert main(["verify", "--atol", atol]) == 2
     assert "must be a finite number >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--checks", "padding,kv"], "--checks: unknown check(s) kv; choose from padding, cache, generate, routing"),
+        (["--new-tokens", "0"], "--new-tokens: must be an integer >= 1, got '0'"),
+    ],
+)
+def test_check_options_are_validated_before_any_load(argv, message, capsys):
+    assert main(["verify", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_not_a_checkpoint_without_weights(tmp_path, capsys):
