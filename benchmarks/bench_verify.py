@@ -13,7 +13,7 @@ interleaved rounds of:
 Figures: median wall time of each, and medians of the per-round ratios to ``unit`` and to ``weights only`` (the
 goal: the default run <= 1.5x the run without the path checks).
 
-    python benchmarks/bench_verify.py [--repeats 7]
+    python benchmarks/bench_verify.py [--repeats 7] [--new-tokens N]
 
 ``run()`` returns ``[(figure, seconds, ratio to unit, ratio to weights only)]``.
 """
@@ -64,7 +64,7 @@ VARIANTS = {
 }
 
 
-def run(repeats: int = 7, verbose: bool = True) -> list[tuple]:
+def run(repeats: int = 7, verbose: bool = True, new_tokens: int | None = None) -> list[tuple]:
     import torch
     from transformers.utils import logging
 
@@ -79,7 +79,8 @@ def run(repeats: int = 7, verbose: bool = True) -> list[tuple]:
     for _ in range(repeats):  # interleaved so machine drift hits every variant alike
         times["unit"].append(_unit(folder))
         for name, argv in VARIANTS.items():
-            times[name].append(_verify(*argv))
+            extra = () if new_tokens is None or name.startswith("weights only") else ("--new-tokens", str(new_tokens))
+            times[name].append(_verify(*argv, *extra))
     base = times["weights only (--checks none)"]
     rows = []
     for name, values in times.items():
@@ -98,8 +99,9 @@ def run(repeats: int = 7, verbose: bool = True) -> list[tuple]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--new-tokens", type=int, help="pass --new-tokens N to every run with path checks")
     args = parser.parse_args(argv)
-    run(args.repeats)
+    run(args.repeats, new_tokens=args.new_tokens)
 
 
 if __name__ == "__main__":

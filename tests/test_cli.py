@@ -41,7 +41,7 @@ def run_json(capsys, argv) -> tuple[int, dict]:
 
 def test_verify_without_arguments_runs_the_full_example(cache, capsys):
     code, report = run_json(capsys, [])
-    assert code == 0 and report["ok"] is True
+    assert code == 0 and report["ok"] is True, report["checks"]
     assert report["recipe"] == "qwen2_moe-full-example" and report["model_class"] == "Qwen2MoeForCausalLM"
     assert report["model_dir"] == str(cache / "qwen2_moe-tiny-v1")
     replaced = {(r["path"], r["replacement"]) for r in report["patch_report"]["replaced"]}
@@ -69,8 +69,8 @@ def test_verify_without_arguments_runs_the_full_example(cache, capsys):
         p["status"] == "ok" and 0 <= p["figure"] <= 1e-5 and p["first_divergence"] is None for p in paths.values()
     )
     assert paths["routing"]["detail"] == "the same experts for all 20 tokens x 2 MoE layers"
-    assert paths["generate"]["detail"].startswith("8 of 8 greedy tokens equal (2 rows x 4, left-padded)")
-    assert "prefill 12 + 4 decode step(s)" in paths["cache (static)"]["detail"]
+    assert paths["generate"]["detail"] == "4 of 4 greedy tokens equal (2 rows x 2, left-padded, dynamic cache)"
+    assert "prefill 12 + 1 decode step(s), left-padded" in paths["cache (static)"]["detail"]
     # the table form passes too, and says so
     assert main(["verify", "--no-progress"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("PASS")

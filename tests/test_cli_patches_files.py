@@ -310,8 +310,10 @@ BAD_ATTENTION = {
                         **kwargs):
                 return super().forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
     """,
-    # the keys are cached before the rotary embedding: position 0 (no rotation) agrees, position 1 does not
+    # the keys are cached before the rotary embedding (this step's own keys are rotated): position 0 (no rotation)
+    # agrees, position 1 does not
     "caches unrotated keys": """
+        import torch
         import transformers.models.llama.modeling_llama as llama
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -322,13 +324,14 @@ BAD_ATTENTION = {
                 q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
                 k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
                 v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+                q, rotated = llama.apply_rotary_pos_emb(q, k, *position_embeddings)
                 if past_key_values is not None:
-                    past_key_values.update(k, v, self.layer_idx)  # appends the wrong keys ...
-                q, k = llama.apply_rotary_pos_emb(q, k, *position_embeddings)  # ... attends with the right ones
+                    k, v = past_key_values.update(k, v, self.layer_idx)  # appends the unrotated keys ...
+                    rotated = torch.cat([k[:, :, : k.shape[2] - rotated.shape[2]], rotated], dim=2)
                 attend = ALL_ATTENTION_FUNCTIONS.get_interface(
                     self.config._attn_implementation, llama.eager_attention_forward
                 )
-                out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)
+                out, weights = attend(self, q, rotated, v, attention_mask, scaling=self.scaling, **kwargs)
                 return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
     """,
     # no mask at all: SDPA falls back to is_causal, exact without padding
@@ -355,14 +358,16 @@ def test_attention_that_mishandles_the_kv_cache_fails_the_cache_check(name, llam
     assert checks["outputs"]["ok"] and checks["padding"]["ok"]  # one forward cannot tell
     assert checks["outputs"]["detail"] == "max abs diff of logits 0 (atol 1e-05)"
     paths = {p["name"]: p for p in report["paths"]}
-    for kind in ("dynamic", "static"):
-        cache = paths[f"cache ({kind})"]
-        assert cache["status"] == "FAIL" and checks[f"cache ({kind})"]["ok"] is False
-        if name == "ignores past_key_values":
-            length = 12 if kind == "dynamic" else 12 + 2  # a static cache is allocated for the new tokens too
-            assert cache["detail"] == f"prefill: layer 0 keys not cached, unpatched (2, 2, {length}, 16)"
-            assert cache["first_divergence"] == {"layer": 0, "step": 0}
-        else:
+    dynamic, static = paths["cache (dynamic)"], paths["cache (static)"]
+    assert dynamic["status"] == static["status"] == "FAIL" and not checks["cache (dynamic)"]["ok"]
+    if name == "ignores past_key_values":
+        # the dynamic cache holds the tokens fed (the last new token is not)
+        assert dynamic["detail"] == "prefill: layer 0 keys not cached, unpatched (2, 2, 13, 16)"
+        assert dynamic["first_divergence"] == {"layer": 0, "step": 0}
+        # a static cache never written: the decode step's mask (the whole cache) does not fit its keys
+        assert static["detail"].startswith("the patched model's generate fails with a static cache: RuntimeError: ")
+    else:
+        for cache in (dynamic, static):
             assert cache["detail"].startswith("prefill: layer 0 keys differ by ")
             assert cache["detail"].endswith("; first: row 0, token 1, layer 0")
             assert cache["first_divergence"] == {"row": 0, "token": 1, "layer": 0, "step": 0}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ __all__ = ["PATH_CHECKS", "DEFAULT_NEW_TOKENS", "PathCheck", "run_path_checks"]
 PATH_CHECKS = ("padding", "cache", "generate", "routing")
 """The names ``--checks`` takes (``cache`` runs the dynamic and the static cache)."""
 
-DEFAULT_NEW_TOKENS = 4
+DEFAULT_NEW_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -191,102 +192,23 @@ def _caches(vanilla, kind: str, length: int) -> tuple:
     )
 
 
-def _compare_cache(want, got, atol: float, step: str) -> float:
-    """The largest key/value difference over every layer; raises :class:`_Diverged` at the first beyond ``atol``."""
-    worst = 0.0
-    if len(got.layers) != len(want.layers):
-        raise _Diverged(f"{step}: {len(got.layers)} cache layers, unpatched {len(want.layers)}", {}, float("inf"))
-    for layer, (a, b) in enumerate(zip(want.layers, got.layers)):
-        for name in ("keys", "values"):
-            x, y = getattr(a, name, None), getattr(b, name, None)
-            if x is None or (isinstance(x, torch.Tensor) and x.numel() == 0):
-                continue
-            if y is None or not isinstance(y, torch.Tensor) or y.shape != x.shape:
-                shape = None if not isinstance(y, torch.Tensor) else tuple(y.shape)
-                raise _Diverged(
-                    f"{step}: layer {layer} {name} {'not cached' if shape is None else f'shape {shape}'}, unpatched "
-                    f"{tuple(x.shape)}",
-                    {"layer": layer},
-                    float("inf"),
-                )
-            diff = (x.float() - y.float()).abs().nan_to_num(nan=float("inf"))
-            top = float(diff.max()) if diff.numel() else 0.0
-            worst = max(worst, top)
-            if top > atol:  # (B, heads, T, head_dim): first row, then first token
-                row, _, token, _ = _first(diff.amax(dim=(1, 3), keepdim=True).expand_as(diff) > atol)
-                raise _Diverged(
-                    f"{step}: layer {layer} {name} differ by {top:.3g}; first: row {row}, token {token}, layer {layer}",
-                    {"row": row, "token": token, "layer": layer},
-                    top,
-                )
-    return worst
+@dataclass
+class _Decoded:
+    """Both models' greedy ``generate`` of the same prompt with a cache of one kind."""
+
+    kind: str
+    prompt: int
+    expected: Any = None
+    actual: Any = None
+    want: Any = None
+    got: Any = None
+    failed: PathCheck | None = None
 
 
 @torch.no_grad()
-def _cache(vanilla, patched, ids: torch.Tensor, new_tokens: int, atol: float, kind: str) -> PathCheck:
-    name = f"cache ({kind})"
-    length = ids.shape[1] + new_tokens
-    try:
-        want, got = _caches(vanilla, kind, length)
-        mask = torch.ones_like(ids)
-        expected = vanilla(input_ids=ids, attention_mask=mask, past_key_values=want, use_cache=True)
-    except Exception as exc:  # noqa: BLE001
-        return PathCheck(name, "skipped", f"the unpatched model fails with a {kind} cache: {_error(exc)}")
-    fed, logits_worst, cache_worst = ids, 0.0, 0.0
-    try:
-        for step in range(new_tokens + 1):
-            label = "prefill"
-            if step:  # both models get the unpatched model's greedy token
-                token = expected.logits[:, -1:].argmax(dim=-1)
-                fed = torch.cat([fed, token], dim=1)
-                mask = torch.ones_like(fed)
-                expected = vanilla(input_ids=token, attention_mask=mask, past_key_values=want, use_cache=True)
-                label = f"decode step {step} (token {fed.shape[1] - 1})"
-            try:
-                actual = patched(
-                    input_ids=fed if step == 0 else fed[:, -1:],
-                    attention_mask=mask,
-                    past_key_values=got,
-                    use_cache=True,
-                )
-            except Exception as exc:  # noqa: BLE001
-                raise _Diverged(
-                    f"{label}: the patched model fails: {_error(exc)}", {"step": step}, float("inf")
-                ) from None
-            a, b = expected.logits.float(), actual.logits.float()
-            if a.shape != b.shape:
-                raise _Diverged(
-                    f"{label}: logits {tuple(b.shape)}, unpatched {tuple(a.shape)}", {"step": step}, float("inf")
-                )
-            diff = (a - b).abs().amax(dim=-1).nan_to_num(nan=float("inf"))
-            top = float(diff.max())
-            logits_worst = max(logits_worst, top)
-            if top > atol:
-                row, token = _first(diff > atol)
-                token += fed.shape[1] - a.shape[1]
-                raise _Diverged(
-                    f"{label}: logits differ by {top:.3g}; first: row {row}, token {token}",
-                    {"step": step, "row": row, "token": token},
-                    top,
-                )
-            try:
-                cache_worst = max(cache_worst, _compare_cache(want, got, atol, label))
-            except _Diverged as diverged:
-                diverged.where["step"] = step
-                raise
-    except _Diverged as diverged:
-        return PathCheck(name, "FAIL", str(diverged), diverged.figure, diverged.where)
-    return PathCheck(
-        name,
-        "ok",
-        f"prefill {ids.shape[1]} + {new_tokens} decode step(s): max abs diff of logits {logits_worst:.3g}, of "
-        f"keys/values {cache_worst:.3g} (atol {atol:g})",
-        max(logits_worst, cache_worst),
-    )
-
-
-@torch.no_grad()
-def _generate(vanilla, patched, ids, mask, new_tokens: int, atol: float, pad_id: int) -> PathCheck:
+def _decode(vanilla, patched, ids, mask, new_tokens: int, pad_id: int, kind: str) -> _Decoded:
+    """Greedy ``generate`` of ``new_tokens`` tokens by both models from the left-padded batch, each with its own
+    cache of ``kind`` (prefill, then one decode step per token), keeping every step's logits and the caches."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(
@@ -298,48 +220,143 @@ def _generate(vanilla, patched, ids, mask, new_tokens: int, atol: float, pad_id:
         output_logits=True,
         return_dict_in_generate=True,
     )
+    run = _Decoded(kind, ids.shape[1])
+    name = f"cache ({kind})"
     try:
-        expected = vanilla.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        run.want, run.got = _caches(vanilla, kind, ids.shape[1] + new_tokens)
+        run.expected = vanilla.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, past_key_values=run.want
+        )
     except Exception as exc:  # noqa: BLE001
-        return PathCheck("generate", "skipped", f"the unpatched model's generate fails: {_error(exc)}")
+        run.failed = PathCheck(
+            name, "skipped", f"the unpatched model's generate fails with a {kind} cache: {_error(exc)}"
+        )
+        return run
     try:
-        actual = patched.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        run.actual = patched.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, past_key_values=run.got
+        )
     except Exception as exc:  # noqa: BLE001
-        return PathCheck("generate", "FAIL", f"the patched model's generate fails: {_error(exc)}")
-    want, got = expected.sequences[:, ids.shape[1] :], actual.sequences[:, ids.shape[1] :]
+        run.failed = PathCheck(name, "FAIL", f"the patched model's generate fails with a {kind} cache: {_error(exc)}")
+    return run
+
+
+def _step(prompt: int, token: int) -> str:
+    """The forward that fed ``token``: the prefill (the prompt) or a decode step."""
+    return "prefill" if token < prompt else f"decode step {token - prompt + 1}"
+
+
+def _compare_cache(want, got, valid: torch.Tensor, atol: float) -> tuple[float, _Diverged | None]:
+    """``(largest key/value difference over the ``valid`` positions (B, T) of every layer, the first divergence:
+    lowest token, then row, then layer)``."""
+    worst, first, first_at = 0.0, None, None
+    if len(got.layers) != len(want.layers):
+        return float("inf"), _Diverged(
+            f"{len(got.layers)} cache layers, unpatched {len(want.layers)}", {}, float("inf")
+        )
+    for layer, (a, b) in enumerate(zip(want.layers, got.layers)):
+        for name in ("keys", "values"):
+            x, y = getattr(a, name, None), getattr(b, name, None)
+            if not isinstance(x, torch.Tensor) or x.numel() == 0:
+                continue
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                shape = tuple(y.shape) if isinstance(y, torch.Tensor) and y.numel() else None
+                what = "not cached" if shape is None else f"shape {shape}"
+                diverged = _Diverged(
+                    f"layer {layer} {name} {what}, unpatched {tuple(x.shape)}", {"layer": layer}, float("inf")
+                )
+                return float("inf"), first if first is not None else diverged
+            width = min(x.shape[2], valid.shape[1])  # (B, heads, T, head_dim); a static cache's unused tail is left out
+            diff = (x[:, :, :width].float() - y[:, :, :width].float()).abs().nan_to_num(nan=float("inf"))
+            per_token = diff.amax(dim=(1, 3)).masked_fill(~valid[:, :width], 0.0)  # (B, T)
+            top = float(per_token.max()) if per_token.numel() else 0.0
+            worst = max(worst, top)
+            if top > atol:
+                beyond = per_token > atol
+                token = int(beyond.any(dim=0).nonzero()[0])
+                row = int(beyond[:, token].nonzero()[0])
+                if first_at is None or token < first_at:
+                    first_at = token
+                    first = _Diverged(
+                        f"layer {layer} {name} differ by {top:.3g}; first: row {row}, token {token}, layer {layer}",
+                        {"row": row, "token": token, "layer": layer},
+                        top,
+                    )
+    return worst, first
+
+
+def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
+    name = f"cache ({run.kind})"
+    if run.failed is not None:
+        return run.failed
+    prompt = run.prompt
+    logits_worst, logits_first = 0.0, None
+    for step, (a, b) in enumerate(zip(run.expected.logits, run.actual.logits)):
+        if a.shape != b.shape:
+            logits_first = (step, _Diverged(f"logits {tuple(b.shape)}, unpatched {tuple(a.shape)}", {}, float("inf")))
+            break
+        diff = (a.float() - b.float()).abs().amax(dim=-1).nan_to_num(nan=float("inf"))  # (B,)
+        top = float(diff.max())
+        logits_worst = max(logits_worst, top)
+        if top > atol:
+            row, token = int((diff > atol).nonzero()[0]), prompt - 1 + step  # the logits of the token fed at step
+            where = {"row": row, "token": token}
+            logits_first = (step, _Diverged(f"logits differ by {top:.3g}; first: row {row}, token {token}", where, top))
+            break
+    # the cache positions both models computed from the same tokens: the prompt's non-pad ones, then the generated
+    # tokens fed before the logits diverged
+    fed = prompt + (logits_first[0] if logits_first is not None else len(run.expected.logits) - 1)
+    valid = torch.cat([mask.bool(), mask.new_ones(mask.shape[0], max(0, fed - prompt)).bool()], dim=1)[:, :fed]
+    cache_worst, cache_first = _compare_cache(run.want, run.got, valid, atol)
+    candidates = []
+    if cache_first is not None:
+        token = cache_first.where.get("token", 0)
+        candidates.append((0 if token < prompt else token - prompt + 1, 0, cache_first))
+    if logits_first is not None:
+        candidates.append((logits_first[0], 1, logits_first[1]))
+    if candidates:
+        step, _, diverged = min(candidates, key=lambda c: c[:2])
+        label = "prefill" if step == 0 else f"decode step {step}"
+        return PathCheck(name, "FAIL", f"{label}: {diverged}", diverged.figure, {**diverged.where, "step": step})
+    steps = len(run.expected.logits)
+    return PathCheck(
+        name,
+        "ok",
+        f"prefill {prompt} + {steps - 1} decode step(s), left-padded: max abs diff of logits {logits_worst:.3g}, of "
+        f"keys/values {cache_worst:.3g} (atol {atol:g})",
+        max(logits_worst, cache_worst),
+    )
+
+
+def _generate_check(run: _Decoded) -> PathCheck:
+    if run.failed is not None:
+        return PathCheck("generate", run.failed.status, run.failed.detail.replace(f" with a {run.kind} cache", ""))
+    prompt = run.prompt
+    want, got = run.expected.sequences[:, prompt:], run.actual.sequences[:, prompt:]
     steps = min(want.shape[1], got.shape[1])
     differs = want[:, :steps] != got[:, :steps]
-    # the logits of the steps both models took with the same tokens so far
-    agree = steps if not differs.any() else int(differs.any(dim=0).nonzero()[0])
-    worst = max(
-        (
-            float((a.float() - b.float()).abs().max())
-            for a, b in zip(expected.logits[: agree + 1], actual.logits[: agree + 1])
-        ),
-        default=0.0,
-    )
     if differs.any() or want.shape != got.shape:
         if differs.any():  # the earliest new token, then the first row
             step = int(differs.any(dim=0).nonzero()[0])
             row = int(differs[:, step].nonzero()[0])
         else:
             row, step = 0, steps
-        token = ids.shape[1] + step
+        token = prompt + step
         return PathCheck(
             "generate",
             "FAIL",
             f"{int(differs.sum())} of {want.numel()} tokens differ; first: row {row}, new token {step} (token {token}): "
             f"{got[row, step].item() if step < got.shape[1] else 'none'}, unpatched "
-            f"{want[row, step].item() if step < want.shape[1] else 'none'}; max abs diff of logits up to there {worst:.3g}",
-            worst,
+            f"{want[row, step].item() if step < want.shape[1] else 'none'}",
+            float(differs.sum()),
             {"row": row, "token": token, "step": step},
         )
     return PathCheck(
         "generate",
         "ok",
-        f"{want.numel()} of {want.numel()} greedy tokens equal ({want.shape[0]} rows x {new_tokens}, left-padded); "
-        f"max abs diff of logits {worst:.3g}",
-        worst,
+        f"{want.numel()} of {want.numel()} greedy tokens equal ({want.shape[0]} rows x {want.shape[1]}, left-padded, "
+        "dynamic cache)",
+        0.0,
     )
 
 
@@ -362,32 +379,32 @@ def run_path_checks(
     """
     pad_id = getattr(vanilla.config, "pad_token_id", None)
     pad_id = int(pad_id) if isinstance(pad_id, int) else 0
+    ids, mask = left_padded(inputs, pad_id)
     results: list[PathCheck] = []
+    routing = None
     if "padding" in checks or "routing" in checks:
         if progress:
             progress("padding")
-        ids, mask = left_padded(inputs, pad_id)
         padding, routing = _padding(vanilla, patched, ids, mask, atol, "routing" in checks)
         if "padding" in checks:
             results.append(padding)
     generates = bool(getattr(vanilla, "can_generate", lambda: False)())
     reason = f"{type(vanilla).__name__} has no generation head (can_generate() is False)"
-    if "cache" in checks:
-        for kind in ("dynamic", "static"):
-            if progress:
-                progress(f"{kind} cache")
-            if not generates:
-                results.append(PathCheck(f"cache ({kind})", "skipped", reason))
-            else:
-                results.append(_cache(vanilla, patched, _unpadded(inputs), new_tokens, atol, kind))
-    if "generate" in checks:
+    kinds = ("dynamic", "static") if "cache" in checks else ("dynamic",) if "generate" in checks else ()
+    runs = {}
+    for kind in kinds:
         if progress:
-            progress("generate")
-        if not generates:
-            results.append(PathCheck("generate", "skipped", reason))
-        else:
-            ids, mask = left_padded(inputs, pad_id)
-            results.append(_generate(vanilla, patched, ids, mask, new_tokens, atol, pad_id))
-    if "routing" in checks and routing is not None:
+            progress(f"generate, {kind} cache")
+        runs[kind] = _decode(vanilla, patched, ids, mask, new_tokens, pad_id, kind) if generates else None
+    if "cache" in checks:
+        for kind in kinds:
+            run = runs[kind]
+            results.append(
+                PathCheck(f"cache ({kind})", "skipped", reason) if run is None else _cache_check(run, mask, atol)
+            )
+    if "generate" in checks:
+        run = runs["dynamic"]
+        results.append(PathCheck("generate", "skipped", reason) if run is None else _generate_check(run))
+    if routing is not None:
         results.append(routing)
     return results

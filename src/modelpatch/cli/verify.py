@@ -413,6 +413,7 @@ def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, e
     result.patch = report.as_dict()
     result.patch.pop("conversion", None)
     result.unfired_rules = findings.unfired
+    findings.replaced = None  # the patches check states the count itself
     words = problem_words(findings)
     why = "the patched load failed"
     skipped = ["provenance", "outputs"]
