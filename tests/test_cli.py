@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,9 +72,20 @@ def test_verify_without_arguments_runs_the_full_example(cache, capsys):
     assert paths["routing"]["detail"] == "the same experts for all 20 tokens x 2 MoE layers"
     assert paths["generate"]["detail"] == "4 of 4 greedy tokens equal (2 rows x 2, left-padded, dynamic cache)"
     assert "prefill 12 + 1 decode step(s), left-padded" in paths["cache (static)"]["detail"]
-    # the table form passes too, and says so
+    # the table form passes too, and says so; the README's example output is what it prints (figures aside)
     assert main(["verify", "--no-progress"]) == 0
-    assert capsys.readouterr().out.rstrip().endswith("PASS")
+    printed = capsys.readouterr().out.rstrip()
+    assert printed.endswith("PASS")
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md")) as fh:
+        readme = fh.read()
+    block = readme[readme.index("```\n== checks\n") + 4 :]
+    block = block[: block.index("```")].rstrip()
+
+    def shape(text: str) -> str:
+        text = re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "N", text)
+        return re.sub(r" +", " ", re.sub(r"-{3,}", "---", text))
+
+    assert shape(printed[printed.index("== checks") :]) == shape(block)
 
 
 def test_example_checkpoint_is_deterministic(cache, tmp_path, monkeypatch):
