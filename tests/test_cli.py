@@ -88,6 +88,39 @@ def test_verify_without_arguments_runs_the_full_example(cache, capsys):
     assert shape(printed[printed.index("== checks") :]) == shape(block)
 
 
+BAD_ROUTER = """
+import torch
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+class BadRouter(Qwen2MoeTopKRouter):
+    # the top-k taken over the logits plus a bias towards the last expert
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        bias = torch.zeros(self.num_experts)
+        bias[-1] = 0.5
+        top, idx = torch.topk(torch.softmax(logits + bias, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+        return logits, (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype), idx
+
+PATCH_MAPPING = {"Qwen2MoeTopKRouter": BadRouter}
+"""
+
+
+def test_a_router_that_picks_other_experts_fails_the_routing_check(cache, tmp_path, capsys):
+    patches = tmp_path / "bad_router.py"
+    patches.write_text(BAD_ROUTER)
+    code, report = run_json(capsys, ["verify", "--patches", str(patches), "--checks", "routing", "--no-progress"])
+    assert code == 1
+    routing = report["paths"][0]
+    assert routing["name"] == "routing" and routing["status"] == "FAIL"
+    assert routing["first_divergence"] == {"row": 0, "token": 0, "layer": 0}
+    assert 0 < routing["figure"] <= 1  # R3's router disagreement rate over (token, layer) pairs
+    assert routing["detail"] == (
+        f"router disagreement {routing['figure']:.3g} over 20 tokens x 2 MoE layers; first: row 0, token 0, layer 0: "
+        "experts [1, 3], unpatched [1, 2]"
+    )
+
+
 def test_example_checkpoint_is_deterministic(cache, tmp_path, monkeypatch):
     first = example_checkpoint()
     monkeypatch.setenv("MODELPATCH_CACHE", str(tmp_path))

@@ -6,7 +6,15 @@ Checks (each one line in the summary; any failure → exit status 1):
 ``loading``     the patched load reports no missing/unexpected/mismatched key the vanilla load does not also report
 ``provenance``  every parameter's values come from the checkpoint (see :mod:`.provenance`)
 ``outputs``     max abs difference of the outputs (logits, or mean-pooled embeddings for encoders) ≤ ``--atol``
+``padding``, ``cache (dynamic)``, ``cache (static)``, ``generate``, ``routing``
+                the paths patches break, against the unpatched model (see :mod:`.paths`; ``--checks`` chooses,
+                ``--new-tokens`` sizes the decoding); a check that cannot run on the model is skipped, with its reason
 ``round trip``  patched → ``save_pretrained`` → plain Transformers load equals the vanilla load bit for bit
+
+A patched load that raises fails the ``loading`` check (exit status 1, not a usage error): it names what the
+checkpoint's headers show (a key whose shape the checkpoint cannot fill, both shapes; :mod:`.plan`), else the
+loader's message, and the checks that need the patched model are skipped. The ``patches`` and ``loading`` details
+are worded by :func:`.plan.problem_words`, as ``explain`` words the same findings.
 
 With ``--quantization NAME`` (see :mod:`.quantize`) two more: ``quantized`` (every expert Linear quantized, no fused
 experts parameter left in full precision, outputs within the quantizer's usual error of the full-precision patched
