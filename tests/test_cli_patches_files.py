@@ -473,6 +473,24 @@ def test_explain_fails_what_verify_fails_in_the_same_words(case, llama, tmp_path
     assert get_patch_mapping() == {} and user_conversion_names() == set()
 
 
+def test_explain_lists_the_rules_of_a_sub_model(llama, tmp_path, capsys):
+    """Rules registered under a sub-model's class name were in force but not listed (only the model type's)."""
+    patches = write(
+        tmp_path / "sub_model_rules.py",
+        """
+        from modelpatch.conversion import Concatenate, WeightConverter
+        from modelpatch.recipes.attention import FusedQKVLlamaAttention
+        PATCH_MAPPING = {"LlamaAttention": FusedQKVLlamaAttention}
+        CONVERSION_RULES = {"LlamaModel": [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"],
+                                                           operations=[Concatenate(dim=0)])]}
+        """,
+    )
+    code, plan = run_json(capsys, ["explain", "--model", llama, "--patches", patches])
+    assert code == 0 and plan["problems"] == {"patches": [], "loading": []}
+    [rule] = plan["conversion_rules"]
+    assert rule["registered_as"] == "LlamaModel" and len(rule["checkpoint_keys"]) == 12  # q/k/v x weight/bias x 2
+
+
 # -- defect: tracebacks instead of one-line errors ------------------------------------------------------------------
 
 

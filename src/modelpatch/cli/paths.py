@@ -62,7 +62,8 @@ def _error(exc: BaseException) -> str:
 
 
 def _output(out) -> torch.Tensor:
-    """The logits, or (a model without a head) the last hidden states, float32 ``(B, T, *)``."""
+    """The logits, or (a model without a head) the last hidden states, float32: ``(B, T, *)``, or ``(B, C)`` for a
+    head with one output per sequence (sequence classification)."""
     logits = getattr(out, "logits", None)
     return (logits if logits is not None else out.last_hidden_state).float()
 
@@ -102,9 +103,11 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
     try:
         if moe:
             with record_routing(vanilla) as expected_routes:
-                expected = _output(vanilla(input_ids=ids, attention_mask=mask))
+                out = vanilla(input_ids=ids, attention_mask=mask)
         else:
-            expected = _output(vanilla(input_ids=ids, attention_mask=mask))
+            out = vanilla(input_ids=ids, attention_mask=mask)
+        has_logits = getattr(out, "logits", None) is not None
+        expected = _output(out)
     except Exception as exc:  # noqa: BLE001
         reason = f"the unpatched model fails on a left-padded batch: {_error(exc)}"
         return PathCheck("padding", "skipped", reason), PathCheck("routing", "skipped", reason) if routing else None
@@ -127,17 +130,22 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
     if actual.shape != expected.shape:
         padding = PathCheck("padding", "FAIL", f"output shape {tuple(actual.shape)}, unpatched {tuple(expected.shape)}")
     else:
-        diff = (actual - expected).abs().amax(dim=-1).masked_fill(~real, 0.0)
-        diff = diff.nan_to_num(nan=float("inf"))
+        diff = (actual - expected).abs().amax(dim=-1).nan_to_num(nan=float("inf"))
+        per_token = diff.dim() == 2
+        diff = diff.masked_fill(~real, 0.0) if per_token else diff  # (B, T), or (B,): one output per sequence
         worst = float(diff.max())
-        what = "logits" if getattr(vanilla, "can_generate", lambda: False)() else "outputs"
-        text = f"max abs diff of {what} at {int(real.sum())} non-pad positions {worst:.3g} (atol {atol:g}; {pads} left pad(s))"
+        what = "logits" if has_logits else "last hidden states"
+        where_ = f"at {int(real.sum())} non-pad positions" if per_token else f"of {diff.shape[0]} sequences"
+        text = f"max abs diff of {what} {where_} {worst:.3g} (atol {atol:g}; {pads} left pad(s))"
         if worst <= atol:
             padding = PathCheck("padding", "ok", text, worst)
-        else:
+        elif per_token:
             row, token = _first(diff > atol)
             where = {"row": row, "token": token}
             padding = PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}, token {token}", worst, where)
+        else:
+            row = _first(diff > atol)[0]
+            padding = PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}", worst, {"row": row})
     if not routing:
         return padding, None
     if not moe:
