@@ -430,6 +430,35 @@ CONVERSION_RULES = {"llama": [
 ]}
 """
 
+BROKEN_INIT = """
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+class BrokenAttention(LlamaAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        raise ValueError("no fused projection for " + type(config).__name__)
+
+PATCH_MAPPING = {"LlamaAttention": BrokenAttention}
+"""
+
+
+def test_a_replacement_that_cannot_be_built_fails_verify_and_explain(llama, tmp_path, capsys):
+    """A patch whose replacement raises while the model is built: a FAIL of the patch (exit 1), not a traceback."""
+    patches = write(tmp_path / "broken_init.py", BROKEN_INIT)
+    words = "the patched model cannot be built: ValueError: no fused projection for LlamaConfig"
+    code, plan = run_json(capsys, ["explain", "--model", llama, "--patches", patches])
+    assert code == 1 and plan["problems"] == {"patches": [words], "loading": []}
+    code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
+    assert code == 1
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["patches"] == {"name": "patches", "ok": False, "status": "FAIL", "detail": words}
+    assert (
+        checks["loading"]["ok"] is False
+        and "ValueError: no fused projection for LlamaConfig" in checks["loading"]["detail"]
+    )
+    assert {c["status"] for name, c in checks.items() if name not in ("patches", "loading")} == {"skipped"}
+
+
 PLAN_CASES = {
     "shapes the checkpoint cannot fill": (
         WIDE_ATTENTION,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .checkpoint import add_trust_remote_code, checkpoint_keys, read_config
+from .checkpoint import add_trust_remote_code, checkpoint_keys, model_class, read_config
 from .errors import EXIT_FAILED_CHECK, CliError
 from .plan import has_weights, problem_words, rule_text, static_findings
 from .render import plain, section, strict_json, table
@@ -63,23 +63,23 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
     check_recipe_fits(recipe, config_names(config), f"'{model_dir}'" if model_dir else f"model type {model_type!r}")
     model, findings = static_findings(recipe, config, model_dir)
     replaced: dict[str, dict[str, int]] = {key: {} for key in recipe.patch_mapping}
-    for module in model.modules():
+    for module in model.modules() if model is not None else ():
         found = provenance(module)
         if found is not None:
             classes = replaced.setdefault(found.key, {})
             name = f"{found.original.__name__} -> {found.replacement.__name__}"
             classes[name] = classes.get(name, 0) + 1
     keys = checkpoint_keys(model_dir) if model_dir is not None and has_weights(model_dir) else None
-    resolved, _ = _resolve(model, None)
+    resolved = _resolve(model, None)[0] if model is not None else None
     conversion = []
-    for rule in resolved.rules:
+    for rule in resolved.rules if resolved is not None else ():
         matched = None if keys is None else [k for k in keys if match_rule(rule, k) is not None]
-        owner = resolved.owner.get(id(rule))
+        owner = resolved.owner.get(id(rule)) if resolved is not None else None
         conversion.append({"rule": rule_text(rule), "registered_as": owner, "checkpoint_keys": matched})
     problems = problem_words(findings)
     return {
         "model_type": config.model_type,
-        "model_class": type(model).__name__,
+        "model_class": type(model).__name__ if model is not None else model_class(config).__name__,
         "recipe": recipe.name,
         "replaced": replaced,
         "unmatched_keys": findings.unmatched_keys,
@@ -92,7 +92,7 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
         "missing_keys": findings.missing,
         "unexpected_keys": findings.unexpected,
         "rules_that_matched_nothing": findings.unfired,
-        "parameters_on_meta": sum(p.numel() for p in model.parameters()),
+        "parameters_on_meta": sum(p.numel() for p in model.parameters()) if model is not None else 0,
     }
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .checkpoint import model_class, remote_code_kwargs
+from .errors import CliError
 
 __all__ = ["Findings", "problem_words", "static_findings", "build_on_meta", "unfired_rules", "rule_text"]
 
@@ -41,6 +42,7 @@ class Findings:
         unfired: rules (as the conversion report names them) that matched no checkpoint key.
         load_error: the loader's own message when a load failed for a reason none of the above names.
         replaced: modules the patch replaced (``None``: not counted here; ``verify`` states the count itself).
+        build_error: why the patched model cannot be built at all (an exception of a replacement's ``__init__``).
     """
 
     unmatched_keys: list[str] = field(default_factory=list)
@@ -51,6 +53,7 @@ class Findings:
     unfired: list[str] = field(default_factory=list)
     load_error: str | None = None
     replaced: int | None = None
+    build_error: str | None = None
 
 
 def _few(items: list, n: int = 3) -> str:
@@ -61,6 +64,8 @@ def problem_words(findings: Findings) -> dict[str, list[str]]:
     """``{"patches": [phrase, ...], "loading": [phrase, ...]}``: how ``verify`` (its checks of those names) and
     ``explain`` word each finding; an empty list for a check with nothing to report."""
     patches = []
+    if findings.build_error:
+        patches.append(f"the patched model cannot be built: {findings.build_error}")
     if findings.replaced == 0:
         patches.append("0 module(s) replaced")
     if findings.unmatched_keys:
@@ -170,7 +175,8 @@ def has_weights(model_dir: str) -> bool:
 def static_findings(recipe, config, model_dir: str | None = None) -> tuple[Any, Findings]:
     """Build the patched model of ``config`` on ``meta`` with ``recipe`` and find what :class:`Findings` names;
     the checkpoint parts (missing/unexpected/mismatched keys, rules that cannot fire) need ``model_dir`` with
-    weights, read from the safetensors headers only. Returns ``(meta model, findings)``.
+    weights, read from the safetensors headers only. Returns ``(meta model, findings)``; the model is ``None`` when
+    building it raises (``findings.build_error`` says why).
 
     Raises:
         CliError: unreadable checkpoint files (a truncated safetensors file, an index naming a missing shard).
@@ -181,8 +187,14 @@ def static_findings(recipe, config, model_dir: str | None = None) -> tuple[Any, 
     from ..patching.report import patch_report
     from .checkpoint import checkpoint_keys
 
-    with recipe.apply():
-        model = build_on_meta(config)
+    try:
+        with recipe.apply():
+            model = build_on_meta(config)
+    except CliError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a replacement that cannot be built is a finding, not a crash
+        text = str(exc).strip().splitlines()
+        return None, Findings(build_error=f"{type(exc).__name__}: {text[0] if text else ''}")
     report = patch_report(model)
     findings = Findings(list(report.unmatched_keys), [c.message() for c in report.conflicts], replaced=len(report.rows))
     if model_dir is None or not has_weights(model_dir):

@@ -417,8 +417,8 @@ def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, e
         text = str(exc).strip().splitlines()
         findings.load_error = f"{type(exc).__name__}: {text[0] if text else ''}"
     result.load_failure = findings
-    report = patch_report(meta)
-    result.patch = report.as_dict()
+    report = patch_report(meta) if meta is not None else None
+    result.patch = report.as_dict() if report is not None else {}
     result.patch.pop("conversion", None)
     result.unfired_rules = findings.unfired
     findings.replaced = None  # the patches check states the count itself
@@ -429,7 +429,7 @@ def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, e
         skipped += ["cache (dynamic)", "cache (static)"] if name == "cache" else [name]
     skipped.append("round trip")
     result.checks = [
-        _patches_check(report, words),
+        _patches_check(report, words) if report is not None else Check("patches", False, "; ".join(words["patches"])),
         Check("loading", False, "; ".join(words["loading"])),
         *(Check(name, False, why, skipped=True) for name in skipped),
     ]
