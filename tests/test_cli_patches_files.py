@@ -374,6 +374,34 @@ def test_attention_that_mishandles_the_kv_cache_fails_the_cache_check(name, llam
             assert cache["figure"] > 0.01
 
 
+def test_attention_that_raises_on_decode_steps_fails_not_crashes(llama, tmp_path, capsys):
+    """A replacement without decode support (it raises once the cache holds tokens): the one-forward checks pass,
+    the decoding checks fail with its message; exit 1, no traceback."""
+    patches = write(
+        tmp_path / "prefill_only.py",
+        """
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class PrefillOnlyAttention(LlamaAttention):
+            def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
+                if past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0:
+                    raise NotImplementedError("decoding with a KV cache")
+                return super().forward(hidden_states, *args, past_key_values=past_key_values, **kwargs)
+
+        PATCH_MAPPING = {"LlamaAttention": PrefillOnlyAttention}
+        """,
+    )
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "padding,cache,generate"]
+    code, report = run_json(capsys, argv)
+    assert code == 1
+    status = {c["name"]: (c["status"], c["detail"]) for c in report["checks"]}
+    assert status["outputs"][0] == status["padding"][0] == "ok"
+    error = "NotImplementedError: decoding with a KV cache"
+    for kind in ("dynamic", "static"):
+        assert status[f"cache ({kind})"] == ("FAIL", f"the patched model's generate fails with a {kind} cache: {error}")
+    assert status["generate"] == ("FAIL", f"the patched model's generate fails: {error}")
+
+
 def test_attention_that_ignores_the_mask_fails_the_padding_check(llama, tmp_path, capsys):
     patches = _bad_attention(tmp_path, "ignores the attention mask")
     argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "padding"]

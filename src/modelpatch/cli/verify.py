@@ -123,6 +123,8 @@ class VerifyResult:
     paths: list[PathCheck] = field(default_factory=list)
     new_tokens: int = DEFAULT_NEW_TOKENS
     load_failure: Findings | None = None
+    output_error: str | None = None
+    save_error: str | None = None
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -274,8 +276,14 @@ def run_verify(
         steps.set_postfix_str("forward")
         inputs, result.input = model_inputs(model_dir, config)
         expected, result.output_kind = model_output(vanilla, inputs)
-        actual, _ = model_output(patched, inputs)
+        try:
+            actual, _ = model_output(patched, inputs)
+        except Exception as exc:  # noqa: BLE001 - a patched forward that raises fails the outputs check
+            result.output_error = _first_line(exc)
+            actual = torch.full_like(expected, float("nan"))
         result.max_abs_diff = float((actual - expected).abs().max()) if actual.shape == expected.shape else float("inf")
+        if math.isnan(result.max_abs_diff):
+            result.max_abs_diff = float("inf")
         steps.update()
         if checks:
             result.paths = run_path_checks(
@@ -291,7 +299,10 @@ def run_verify(
 
         steps.set_postfix_str("save")
         start = time.perf_counter()
-        patched.save_pretrained(saved_dir)
+        try:
+            patched.save_pretrained(saved_dir)
+        except Exception as exc:  # noqa: BLE001 - a patched model that cannot be saved fails the round trip
+            result.save_error = _first_line(exc)
         result.load_seconds["save_patched"] = time.perf_counter() - start
         rows = conversion_report(patched)
         result.conversion = [
@@ -307,16 +318,18 @@ def run_verify(
         steps.update()
 
         result.unfired_rules = unfired_rules(recipe, patched, {r.rule for r in rows if r.direction == "load"})
-        steps.set_postfix_str("provenance")
-        result.provenance = parameter_provenance(
-            patched, model_dir, saved_dir, [r for r in rows if r.direction == "load"]
-        )
-        steps.update()
-
-        steps.set_postfix_str("round trip")
-        plain = cls.from_pretrained(saved_dir, dtype=torch_dtype, **remote_code_kwargs()).eval()
-        result.round_trip = first_difference(plain.state_dict(), vanilla.state_dict())
-        steps.update()
+        if result.save_error is None:
+            steps.set_postfix_str("provenance")
+            result.provenance = parameter_provenance(
+                patched, model_dir, saved_dir, [r for r in rows if r.direction == "load"]
+            )
+            steps.update()
+            steps.set_postfix_str("round trip")
+            plain = cls.from_pretrained(saved_dir, dtype=torch_dtype, **remote_code_kwargs()).eval()
+            result.round_trip = first_difference(plain.state_dict(), vanilla.state_dict())
+            steps.update()
+        else:
+            result.round_trip = f"save_pretrained of the patched model fails: {result.save_error}"
         if quantization is not None:
             steps.set_postfix_str(f"quantized ({quantization})")
             result.quantization = run_quantized(
@@ -345,6 +358,11 @@ def run_verify(
             steps.update()
     result.checks = _checks(result, report)
     return result
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _check_train_settings(train: TrainSettings) -> None:
@@ -414,8 +432,7 @@ def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, e
 
     meta, findings = static_findings(recipe, config, model_dir)
     if not findings.mismatched and findings.load_error is None:
-        text = str(exc).strip().splitlines()
-        findings.load_error = f"{type(exc).__name__}: {text[0] if text else ''}"
+        findings.load_error = _first_line(exc)
     result.load_failure = findings
     report = patch_report(meta) if meta is not None else None
     result.patch = report.as_dict() if report is not None else {}
@@ -467,7 +484,9 @@ def _checks(result: VerifyResult, report) -> list[Check]:
                 not words["loading"],
                 "; ".join(words["loading"]) or "no new missing/unexpected/mismatched keys",
             ),
-            Check(
+            Check("provenance", False, "save_pretrained of the patched model failed", skipped=True)
+            if result.save_error is not None
+            else Check(
                 "provenance",
                 not bad,
                 f"all {len(result.provenance)} parameters from the checkpoint"
@@ -478,7 +497,9 @@ def _checks(result: VerifyResult, report) -> list[Check]:
             Check(
                 "outputs",
                 result.max_abs_diff <= result.atol,
-                f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})",
+                f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})"
+                if result.output_error is None
+                else f"the patched model's forward fails: {result.output_error}",
             ),
             *(Check(p.name, p.status == "ok", p.detail, skipped=p.status == "skipped") for p in result.paths),
             Check(
