@@ -402,6 +402,32 @@ def test_attention_that_raises_on_decode_steps_fails_not_crashes(llama, tmp_path
     assert status["generate"] == ("FAIL", f"the patched model's generate fails: {error}")
 
 
+def test_attention_that_always_raises_fails_the_outputs_check(llama, tmp_path, capsys):
+    patches = write(
+        tmp_path / "raising_forward.py",
+        """
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class NotYetAttention(LlamaAttention):
+            def forward(self, *args, **kwargs):
+                raise RuntimeError("not implemented yet")
+
+        PATCH_MAPPING = {"LlamaAttention": NotYetAttention}
+        """,
+    )
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "padding,routing"]
+    code, report = run_json(capsys, argv)
+    assert code == 1
+    status = {c["name"]: (c["status"], c["detail"]) for c in report["checks"]}
+    assert status["outputs"] == ("FAIL", "the patched model's forward fails: RuntimeError: not implemented yet")
+    assert status["padding"] == (
+        "FAIL",
+        "the patched model fails on a left-padded batch: RuntimeError: not implemented yet",
+    )
+    assert status["routing"] == ("skipped", "LlamaForCausalLM has no MoE router")  # a dense model, whatever the patch
+    assert status["round trip"][0] == "ok"
+
+
 def test_attention_that_ignores_the_mask_fails_the_padding_check(llama, tmp_path, capsys):
     patches = _bad_attention(tmp_path, "ignores the attention mask")
     argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "padding"]
