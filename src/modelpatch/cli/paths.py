@@ -95,11 +95,14 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
     from ..routing import RoutingDiscoveryError, find_router_sites, record_routing
 
     moe = routing
+    no_router = f"{type(vanilla).__name__} has no MoE router"
     if routing:
         try:
             find_router_sites(vanilla)
-        except RoutingDiscoveryError:
+        except RoutingDiscoveryError as exc:
             moe = False
+            if "has no top-k router module" not in str(exc):  # a router the record machinery cannot drive
+                no_router = f"the routing record does not support the unpatched model: {_error(exc)}"
     try:
         if moe:
             with record_routing(vanilla) as expected_routes:
@@ -126,8 +129,8 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
         failed = f"the patched model fails on a left-padded batch: {_error(exc)}"
         if not routing:
             return PathCheck("padding", "FAIL", failed), None
-        no_router = PathCheck("routing", "skipped", f"{type(vanilla).__name__} has no MoE router")
-        return PathCheck("padding", "FAIL", failed), PathCheck("routing", "FAIL", failed) if moe else no_router
+        routed = PathCheck("routing", "FAIL", failed) if moe else PathCheck("routing", "skipped", no_router)
+        return PathCheck("padding", "FAIL", failed), routed
     pads = int((mask == 0).sum())
     real = mask.bool()
     if actual.shape != expected.shape:
@@ -152,7 +155,7 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
     if not routing:
         return padding, None
     if not moe:
-        return padding, PathCheck("routing", "skipped", f"{type(vanilla).__name__} has no MoE router")
+        return padding, PathCheck("routing", "skipped", no_router)
     if record_error is not None:
         return padding, PathCheck("routing", "FAIL", record_error)
     return padding, _routing(expected_routes, actual_routes, mask)
