@@ -50,10 +50,16 @@ class PathCheck:
     where: dict | None = None
 
 
-class _Diverged(Exception):
-    def __init__(self, text: str, where: dict, figure: float):
-        super().__init__(text)
-        self.where, self.figure = where, figure
+@dataclass
+class _Diverged:
+    """Where two runs first part: ``str()`` the words, ``where`` the position, ``figure`` the difference there."""
+
+    text: str
+    where: dict
+    figure: float
+
+    def __str__(self) -> str:
+        return self.text
 
 
 def _error(exc: BaseException) -> str:
