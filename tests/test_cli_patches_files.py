@@ -304,11 +304,12 @@ def test_verify_on_a_converted_folder_says_so(llama, tmp_path, capsys):
 # exact on one unpadded forward (the "outputs" check passes), wrong on the paths users run
 BAD_ATTENTION = {
     # the cache is never written: decoding attends to the new token only
+    # (the cache comes as past_key_values on Transformers 5.23, as cache on 5.24 and later)
     "ignores past_key_values": """
         class BadAttention(LlamaAttention):
-            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                        **kwargs):
-                return super().forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+                kwargs.pop("past_key_values", None), kwargs.pop("cache", None)
+                return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
     """,
     # the keys are cached before the rotary embedding (this step's own keys are rotated): position 0 (no rotation)
     # agrees, position 1 does not
@@ -318,15 +319,16 @@ BAD_ATTENTION = {
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         class BadAttention(LlamaAttention):
-            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                        **kwargs):
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+                cache = kwargs.pop("cache", None)
+                cache = kwargs.pop("past_key_values", None) if cache is None else cache
                 shape = (*hidden_states.shape[:-1], -1, self.head_dim)
                 q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
                 k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
                 v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
                 q, rotated = llama.apply_rotary_pos_emb(q, k, *position_embeddings)
-                if past_key_values is not None:
-                    k, v = past_key_values.update(k, v, self.layer_idx)  # appends the unrotated keys ...
+                if cache is not None:
+                    k, v = cache.update(k, v, self.layer_idx)  # appends the unrotated keys ...
                     rotated = torch.cat([k[:, :, : k.shape[2] - rotated.shape[2]], rotated], dim=2)
                 attend = ALL_ATTENTION_FUNCTIONS.get_interface(
                     self.config._attn_implementation, llama.eager_attention_forward
@@ -383,10 +385,11 @@ def test_attention_that_raises_on_decode_steps_fails_not_crashes(llama, tmp_path
         from transformers.models.llama.modeling_llama import LlamaAttention
 
         class PrefillOnlyAttention(LlamaAttention):
-            def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-                if past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0:
+            def forward(self, hidden_states, *args, **kwargs):
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))  # the name of Transformers >= 5.24, 5.23
+                if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
                     raise NotImplementedError("decoding with a KV cache")
-                return super().forward(hidden_states, *args, past_key_values=past_key_values, **kwargs)
+                return super().forward(hidden_states, *args, **kwargs)
 
         PATCH_MAPPING = {"LlamaAttention": PrefillOnlyAttention}
         """,
