@@ -157,6 +157,24 @@ def test_verify_real_minilm_checkpoint(capsys):
     assert checks["routing"]["status"] == "skipped" and checks["routing"]["detail"] == "BertModel has no MoE router"
 
 
+def test_verify_decoder_bert_decodes_like_the_original(tmp_path, capsys):
+    """A decoder BERT (BertLMHeadModel) with the fused-QKV recipe: its cache is written and read as the original's.
+    (On Transformers 5.24, which passes the cache as ``cache``, the recipe wrote none: "prefill: layer 0 keys not
+    cached", 1 of 4 generated tokens different.)"""
+    config = transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=128,
+        is_decoder=True, architectures=["BertLMHeadModel"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertLMHeadModel(config).save_pretrained(tmp_path / "ck")
+    argv = ["verify", "--model", str(tmp_path / "ck"), "--recipe", "bert-fused-qkv", "--checks", "cache,generate"]
+    code, report = run_json(capsys, [*argv, "--no-progress"])
+    assert code == 0, report["checks"]
+    paths = {p["name"]: p for p in report["paths"]}
+    assert [paths[n]["status"] for n in ("cache (dynamic)", "cache (static)", "generate")] == ["ok"] * 3
+    assert paths["cache (dynamic)"]["figure"] <= 1e-5
+
+
 def test_verify_fails_for_a_patch_without_conversion_rules(tmp_path, capsys):
     """A fused QKV attention without its rule: qkv_proj is never loaded; verify says which, exits 1."""
     path = save_case("llama-fused-qkv", tmp_path / "ck")
