@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def run_json(capsys, argv) -> tuple[int, dict]:
 
 def test_verify_without_arguments_runs_the_full_example(cache, capsys):
     code, report = run_json(capsys, [])
-    assert code == 0 and report["ok"] is True
+    assert code == 0 and report["ok"] is True, report["checks"]
     assert report["recipe"] == "qwen2_moe-full-example" and report["model_class"] == "Qwen2MoeForCausalLM"
     assert report["model_dir"] == str(cache / "qwen2_moe-tiny-v1")
     replaced = {(r["path"], r["replacement"]) for r in report["patch_report"]["replaced"]}
@@ -59,10 +60,65 @@ def test_verify_without_arguments_runs_the_full_example(cache, capsys):
     assert {k for p in report["provenance"] for k in p["checkpoint_keys"]} == stored
     assert report["output"]["kind"] == "logits" and report["output"]["max_abs_diff"] <= 1e-5
     assert report["round_trip"] == {"bit_exact": True, "first_difference": None}
-    assert [c["name"] for c in report["checks"]] == ["patches", "loading", "provenance", "outputs", "round trip"]
-    # the table form passes too, and says so
+    assert [c["name"] for c in report["checks"]] == [
+        "patches", "loading", "provenance", "outputs", "padding", "cache (dynamic)", "cache (static)", "generate",
+        "routing", "round trip",
+    ]  # fmt: skip
+    # the paths patches break, against the unpatched model: every figure within float32 noise
+    paths = {p["name"]: p for p in report["paths"]}
+    assert all(
+        p["status"] == "ok" and 0 <= p["figure"] <= 1e-5 and p["first_divergence"] is None for p in paths.values()
+    )
+    assert paths["routing"]["detail"] == "the same experts for all 20 tokens x 2 MoE layers"
+    assert paths["generate"]["detail"] == "4 of 4 greedy tokens equal (2 rows x 2, left-padded, dynamic cache)"
+    assert "prefill 12 + 1 decode step(s), left-padded" in paths["cache (static)"]["detail"]
+    # the table form passes too, and says so; the README's example output is what it prints (figures aside)
     assert main(["verify", "--no-progress"]) == 0
-    assert capsys.readouterr().out.rstrip().endswith("PASS")
+    printed = capsys.readouterr().out.rstrip()
+    assert printed.endswith("PASS")
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md")) as fh:
+        readme = fh.read()
+    block = readme[readme.index("```\n== checks\n") + 4 :]
+    block = block[: block.index("```")].rstrip()
+
+    def shape(text: str) -> str:
+        text = re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "N", text)
+        return re.sub(r" +", " ", re.sub(r"-{3,}", "---", text))
+
+    assert shape(printed[printed.index("== checks") :]) == shape(block)
+
+
+BAD_ROUTER = """
+import torch
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+class BadRouter(Qwen2MoeTopKRouter):
+    # the top-k taken over the logits plus a bias towards the last expert
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        bias = torch.zeros(self.num_experts)
+        bias[-1] = 0.5
+        top, idx = torch.topk(torch.softmax(logits + bias, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+        return logits, (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype), idx
+
+PATCH_MAPPING = {"Qwen2MoeTopKRouter": BadRouter}
+"""
+
+
+def test_a_router_that_picks_other_experts_fails_the_routing_check(cache, tmp_path, capsys):
+    patches = tmp_path / "bad_router.py"
+    patches.write_text(BAD_ROUTER)
+    code, report = run_json(capsys, ["verify", "--patches", str(patches), "--checks", "routing", "--no-progress"])
+    assert code == 1
+    routing = report["paths"][0]
+    assert routing["name"] == "routing" and routing["status"] == "FAIL"
+    assert routing["first_divergence"] == {"row": 0, "token": 0, "layer": 0}
+    assert 0 < routing["figure"] <= 1  # R3's router disagreement rate over (token, layer) pairs
+    assert routing["detail"] == (
+        f"router disagreement {routing['figure']:.3g} over 20 tokens x 2 MoE layers; first: row 0, token 0, layer 0: "
+        "experts [1, 3], unpatched [1, 2]"
+    )
 
 
 def test_example_checkpoint_is_deterministic(cache, tmp_path, monkeypatch):
@@ -90,6 +146,33 @@ def test_verify_real_minilm_checkpoint(capsys):
     assert len(report["patch_report"]["replaced"]) == 6
     assert report["round_trip"]["bit_exact"] is True
     assert {p["status"] for p in report["provenance"]} == {"checkpoint"}
+    # an encoder: the padded batch is compared (last hidden states), the decoding paths are skipped, never passed
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["padding"]["status"] == "ok" and checks["padding"]["detail"].startswith(
+        "max abs diff of last hidden states at 25 non-pad positions"
+    )
+    no_head = "BertModel has no generation head (can_generate() is False)"
+    for name in ("cache (dynamic)", "cache (static)", "generate"):
+        assert checks[name] == {"name": name, "ok": None, "status": "skipped", "detail": no_head}
+    assert checks["routing"]["status"] == "skipped" and checks["routing"]["detail"] == "BertModel has no MoE router"
+
+
+def test_verify_decoder_bert_decodes_like_the_original(tmp_path, capsys):
+    """A decoder BERT (BertLMHeadModel) with the fused-QKV recipe: its cache is written and read as the original's.
+    (On Transformers 5.24, which passes the cache as ``cache``, the recipe wrote none: "prefill: layer 0 keys not
+    cached", 1 of 4 generated tokens different.)"""
+    config = transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=128,
+        is_decoder=True, architectures=["BertLMHeadModel"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertLMHeadModel(config).save_pretrained(tmp_path / "ck")
+    argv = ["verify", "--model", str(tmp_path / "ck"), "--recipe", "bert-fused-qkv", "--checks", "cache,generate"]
+    code, report = run_json(capsys, [*argv, "--no-progress"])
+    assert code == 0, report["checks"]
+    paths = {p["name"]: p for p in report["paths"]}
+    assert [paths[n]["status"] for n in ("cache (dynamic)", "cache (static)", "generate")] == ["ok"] * 3
+    assert paths["cache (dynamic)"]["figure"] <= 1e-5
 
 
 def test_verify_fails_for_a_patch_without_conversion_rules(tmp_path, capsys):
@@ -100,7 +183,7 @@ def test_verify_fails_for_a_patch_without_conversion_rules(tmp_path, capsys):
         "from modelpatch.recipes import FUSED_QKV_CLASSES\n"
         "PATCH_MAPPING = {'LlamaAttention': FUSED_QKV_CLASSES['llama']}\n"
     )
-    code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches)])
+    code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches), "--checks", "none"])
     assert code == 1 and report["ok"] is False
     checks = {c["name"]: c["ok"] for c in report["checks"]}
     assert checks == {"patches": True, "loading": False, "provenance": False, "outputs": False, "round trip": False}
@@ -201,6 +284,18 @@ def test_atol_must_be_finite_and_non_negative(atol, capsys):
     assert "must be a finite number >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--checks", "padding,kv"], "--checks: unknown check(s) kv; choose from padding, cache, generate, routing"),
+        (["--new-tokens", "0"], "--new-tokens: must be an integer >= 1, got '0'"),
+    ],
+)
+def test_check_options_are_validated_before_any_load(argv, message, capsys):
+    assert main(["verify", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_not_a_checkpoint_without_weights(tmp_path, capsys):
     shutil.copy(os.path.join(MINILM_DIR, "config.json"), tmp_path)
     assert main(["verify", "--model", str(tmp_path), "--recipe", "bert-fused-qkv"]) == 2
@@ -217,7 +312,9 @@ def test_explain_reads_no_weights_and_reports(tmp_path, capsys):
     assert report["conversion_rules"][0]["checkpoint_keys"] is None
     # with the real folder, the rule's matches come from the safetensors header
     code, report = run_json(capsys, ["explain", "--model", MINILM_DIR, "--recipe", "bert-fused-qkv"])
+    assert code == 0 and report["problems"] == {"patches": [], "loading": []}
     assert len(report["conversion_rules"][0]["checkpoint_keys"]) == 36  # 6 layers x q/k/v x weight/bias
+    assert report["conversion_rules"][0]["registered_as"] == "bert"
 
 
 def test_explain_reports_container_conflict_and_unmatched_key(tmp_path, capsys):
@@ -230,6 +327,10 @@ def test_explain_reports_container_conflict_and_unmatched_key(tmp_path, capsys):
     assert code == 1
     assert report["replaced"][".*Attention"] == {"BertAttention -> FusedQKVBertSelfAttention": 12}
     assert report["unmatched_keys"] == ["BertAtention"]
+    assert report["problems"]["patches"] == [
+        "keys that replaced nothing: ['BertAtention']",
+        "2 container/inner conflict(s)",
+    ]
     assert len(report["conflicts"]) == 2
     assert all("container BertAttention" in c for c in report["conflicts"])
     assert any("BertSelfAttention" in c for c in report["conflicts"])

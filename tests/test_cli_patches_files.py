@@ -299,6 +299,284 @@ def test_verify_on_a_converted_folder_says_so(llama, tmp_path, capsys):
     )
 
 
+# -- defect: patches that break the KV cache, the attention mask or the load got PASS (or exit 2) ------------------
+
+# exact on one unpadded forward (the "outputs" check passes), wrong on the paths users run
+BAD_ATTENTION = {
+    # the cache is never written: decoding attends to the new token only
+    # (the cache comes as past_key_values on Transformers 5.23, as cache on 5.24 and later)
+    "ignores past_key_values": """
+        class BadAttention(LlamaAttention):
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+                kwargs.pop("past_key_values", None), kwargs.pop("cache", None)
+                return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+    """,
+    # the keys are cached before the rotary embedding (this step's own keys are rotated): position 0 (no rotation)
+    # agrees, position 1 does not
+    "caches unrotated keys": """
+        import torch
+        import transformers.models.llama.modeling_llama as llama
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        class BadAttention(LlamaAttention):
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+                cache = kwargs.pop("cache", None)
+                cache = kwargs.pop("past_key_values", None) if cache is None else cache
+                shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+                q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+                k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+                v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+                q, rotated = llama.apply_rotary_pos_emb(q, k, *position_embeddings)
+                if cache is not None:
+                    k, v = cache.update(k, v, self.layer_idx)  # appends the unrotated keys ...
+                    rotated = torch.cat([k[:, :, : k.shape[2] - rotated.shape[2]], rotated], dim=2)
+                attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+                    self.config._attn_implementation, llama.eager_attention_forward
+                )
+                out, weights = attend(self, q, rotated, v, attention_mask, scaling=self.scaling, **kwargs)
+                return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+    """,
+    # no mask at all: SDPA falls back to is_causal, exact without padding
+    "ignores the attention mask": """
+        class BadAttention(LlamaAttention):
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+                return super().forward(hidden_states, position_embeddings, None, **kwargs)
+    """,
+}
+
+
+def _bad_attention(tmp_path, name: str) -> str:
+    body = "from transformers.models.llama.modeling_llama import LlamaAttention\n"
+    body += textwrap.dedent(BAD_ATTENTION[name]) + "\nPATCH_MAPPING = {'LlamaAttention': BadAttention}\n"
+    return write(tmp_path / "bad_attention.py", body)
+
+
+@pytest.mark.parametrize("name", ["ignores past_key_values", "caches unrotated keys"])
+def test_attention_that_mishandles_the_kv_cache_fails_the_cache_check(name, llama, tmp_path, capsys):
+    argv = ["verify", "--model", llama, "--patches", _bad_attention(tmp_path, name), "--no-progress"]
+    code, report = run_json(capsys, [*argv, "--checks", "padding,cache", "--new-tokens", "2"])
+    assert code == 1 and report["ok"] is False
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["outputs"]["ok"] and checks["padding"]["ok"]  # one forward cannot tell
+    assert checks["outputs"]["detail"] == "max abs diff of logits 0 (atol 1e-05)"
+    paths = {p["name"]: p for p in report["paths"]}
+    dynamic, static = paths["cache (dynamic)"], paths["cache (static)"]
+    assert dynamic["status"] == static["status"] == "FAIL" and not checks["cache (dynamic)"]["ok"]
+    if name == "ignores past_key_values":
+        # the dynamic cache holds the tokens fed (the last new token is not)
+        assert dynamic["detail"] == "prefill: layer 0 keys not cached, unpatched (2, 2, 13, 16)"
+        assert dynamic["first_divergence"] == {"layer": 0, "step": 0}
+        # a static cache never written: the decode step's mask (the whole cache) does not fit its keys
+        assert static["detail"].startswith("the patched model's generate fails with a static cache: RuntimeError: ")
+    else:
+        for cache in (dynamic, static):
+            assert cache["detail"].startswith("prefill: layer 0 keys differ by ")
+            assert cache["detail"].endswith("; first: row 0, token 1, layer 0")
+            assert cache["first_divergence"] == {"row": 0, "token": 1, "layer": 0, "step": 0}
+            assert cache["figure"] > 0.01
+
+
+def test_attention_that_raises_on_decode_steps_fails_not_crashes(llama, tmp_path, capsys):
+    """A replacement without decode support (it raises once the cache holds tokens): the one-forward checks pass,
+    the decoding checks fail with its message; exit 1, no traceback."""
+    patches = write(
+        tmp_path / "prefill_only.py",
+        """
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class PrefillOnlyAttention(LlamaAttention):
+            def forward(self, hidden_states, *args, **kwargs):
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))  # the name of Transformers >= 5.24, 5.23
+                if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
+                    raise NotImplementedError("decoding with a KV cache")
+                return super().forward(hidden_states, *args, **kwargs)
+
+        PATCH_MAPPING = {"LlamaAttention": PrefillOnlyAttention}
+        """,
+    )
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "padding,cache,generate"]
+    code, report = run_json(capsys, argv)
+    assert code == 1
+    status = {c["name"]: (c["status"], c["detail"]) for c in report["checks"]}
+    assert status["outputs"][0] == status["padding"][0] == "ok"
+    error = "NotImplementedError: decoding with a KV cache"
+    for kind in ("dynamic", "static"):
+        assert status[f"cache ({kind})"] == ("FAIL", f"the patched model's generate fails with a {kind} cache: {error}")
+    assert status["generate"] == ("FAIL", f"the patched model's generate fails: {error}")
+
+
+def test_attention_that_always_raises_fails_the_outputs_check(llama, tmp_path, capsys):
+    patches = write(
+        tmp_path / "raising_forward.py",
+        """
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class NotYetAttention(LlamaAttention):
+            def forward(self, *args, **kwargs):
+                raise RuntimeError("not implemented yet")
+
+        PATCH_MAPPING = {"LlamaAttention": NotYetAttention}
+        """,
+    )
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "padding,routing"]
+    code, report = run_json(capsys, argv)
+    assert code == 1
+    status = {c["name"]: (c["status"], c["detail"]) for c in report["checks"]}
+    assert status["outputs"] == ("FAIL", "the patched model's forward fails: RuntimeError: not implemented yet")
+    assert status["padding"] == (
+        "FAIL",
+        "the patched model fails on a left-padded batch: RuntimeError: not implemented yet",
+    )
+    assert status["routing"] == ("skipped", "LlamaForCausalLM has no MoE router")  # a dense model, whatever the patch
+    assert status["round trip"][0] == "ok"
+
+
+def test_attention_that_ignores_the_mask_fails_the_padding_check(llama, tmp_path, capsys):
+    patches = _bad_attention(tmp_path, "ignores the attention mask")
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "padding"]
+    code, report = run_json(capsys, argv)
+    assert code == 1
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["outputs"]["ok"] and [p["name"] for p in report["paths"]] == ["padding"]
+    padding = report["paths"][0]
+    # row 1 is left-padded by 4 (12 -> 8 tokens): its first real token attends the pads
+    assert padding["status"] == "FAIL" and padding["first_divergence"] == {"row": 1, "token": 4}
+    assert checks["padding"]["detail"] == (
+        f"max abs diff of logits at 20 non-pad positions {padding['figure']:.3g} (atol 1e-05; 4 left pad(s)); first "
+        "beyond atol: row 1, token 4"
+    )
+
+
+WIDE_ATTENTION = """
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+class WideAttention(LlamaAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size + 8, bias=False)
+
+PATCH_MAPPING = {"LlamaAttention": WideAttention}
+"""
+
+GATED_ATTENTION = """
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+class GatedAttention(LlamaAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.gate = nn.Parameter(torch.ones(config.hidden_size))
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * self.gate, weights
+
+PATCH_MAPPING = {"LlamaAttention": GatedAttention}
+"""
+
+UNFIRED_RULE = """
+from modelpatch.conversion import Concatenate, WeightConverter, WeightRenaming
+from modelpatch.recipes.attention import FusedQKVLlamaAttention
+
+PATCH_MAPPING = {"LlamaAttention": FusedQKVLlamaAttention}
+CONVERSION_RULES = {"llama": [
+    WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], operations=[Concatenate(dim=0)]),
+    WeightRenaming("attn_old", "self_attn"),  # a layout this checkpoint is not in
+]}
+"""
+
+BROKEN_INIT = """
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+class BrokenAttention(LlamaAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        raise ValueError("no fused projection for " + type(config).__name__)
+
+PATCH_MAPPING = {"LlamaAttention": BrokenAttention}
+"""
+
+
+def test_a_replacement_that_cannot_be_built_fails_verify_and_explain(llama, tmp_path, capsys):
+    """A patch whose replacement raises while the model is built: a FAIL of the patch (exit 1), not a traceback."""
+    patches = write(tmp_path / "broken_init.py", BROKEN_INIT)
+    words = "the patched model cannot be built: ValueError: no fused projection for LlamaConfig"
+    code, plan = run_json(capsys, ["explain", "--model", llama, "--patches", patches])
+    assert code == 1 and plan["problems"] == {"patches": [words], "loading": []}
+    code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
+    assert code == 1
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["patches"] == {"name": "patches", "ok": False, "status": "FAIL", "detail": words}
+    assert (
+        checks["loading"]["ok"] is False
+        and "ValueError: no fused projection for LlamaConfig" in checks["loading"]["detail"]
+    )
+    assert {c["status"] for name, c in checks.items() if name not in ("patches", "loading")} == {"skipped"}
+
+
+PLAN_CASES = {
+    "shapes the checkpoint cannot fill": (
+        WIDE_ATTENTION,
+        "mismatched_keys: model.layers.0.self_attn.o_proj.weight has (64, 64) in the checkpoint, (72, 64) in the "
+        "patched model; model.layers.1.self_attn.o_proj.weight has (64, 64) in the checkpoint, (72, 64) in the "
+        "patched model",
+    ),
+    "a parameter left at init": (
+        GATED_ATTENTION,
+        "missing_keys (left at their initial values): ['model.layers.0.self_attn.gate', 'model.layers.1.self_attn.gate']",
+    ),
+    "a rule that cannot fire": (
+        UNFIRED_RULE,
+        "rules that matched no checkpoint key: [\"WeightRenaming(source_patterns=['attn_old'], "
+        "target_patterns=['self_attn'])\"]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_CASES))
+def test_explain_fails_what_verify_fails_in_the_same_words(case, llama, tmp_path, capsys):
+    """What the headers and the meta model show: explain exits 1 with verify's words; a load that raises (the
+    shapes) is a FAIL of the patch (exit 1, naming key and shapes), not a bad argument (exit 2)."""
+    body, words = PLAN_CASES[case]
+    patches = write(tmp_path / "plan_case.py", body)
+    code, plan = run_json(capsys, ["explain", "--model", llama, "--patches", patches])
+    assert code == 1 and plan["problems"] == {"patches": [], "loading": [words]}
+    code, report = run_json(
+        capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "none"]
+    )
+    assert code == 1
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["patches"] == {"name": "patches", "ok": True, "status": "ok", "detail": "2 module(s) replaced"}
+    assert checks["loading"]["ok"] is False and checks["loading"]["detail"] == words
+    if case == "shapes the checkpoint cannot fill":
+        assert plan["mismatched_keys"][0] == {
+            "key": "model.layers.0.self_attn.o_proj.weight", "checkpoint_shape": [64, 64], "model_shape": [72, 64]
+        }  # fmt: skip
+        skipped = {name: c["detail"] for name, c in checks.items() if c["status"] == "skipped"}
+        assert skipped == dict.fromkeys(["provenance", "outputs", "round trip"], "the patched load failed")
+    assert get_patch_mapping() == {} and user_conversion_names() == set()
+
+
+def test_explain_lists_the_rules_of_a_sub_model(llama, tmp_path, capsys):
+    """Rules registered under a sub-model's class name were in force but not listed (only the model type's)."""
+    patches = write(
+        tmp_path / "sub_model_rules.py",
+        """
+        from modelpatch.conversion import Concatenate, WeightConverter
+        from modelpatch.recipes.attention import FusedQKVLlamaAttention
+        PATCH_MAPPING = {"LlamaAttention": FusedQKVLlamaAttention}
+        CONVERSION_RULES = {"LlamaModel": [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"],
+                                                           operations=[Concatenate(dim=0)])]}
+        """,
+    )
+    code, plan = run_json(capsys, ["explain", "--model", llama, "--patches", patches])
+    assert code == 0 and plan["problems"] == {"patches": [], "loading": []}
+    [rule] = plan["conversion_rules"]
+    assert rule["registered_as"] == "LlamaModel" and len(rule["checkpoint_keys"]) == 12  # q/k/v x weight/bias x 2
+
+
 # -- defect: tracebacks instead of one-line errors ------------------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """The ``modelpatch`` console script: ``verify``, ``explain``, ``convert``, ``routing-check``, ``recipes``.
 
 ``main(argv=None) -> int`` parses ``argv`` (default ``sys.argv[1:]``), runs one subcommand and returns its exit
-status: 0 when every check passed, 1 when a check failed (:data:`~.errors.EXIT_FAILED_CHECK`), 2 for a usage error,
+status: 0 when every check passed, 1 when a check failed (:data:`~.errors.EXIT_FAILED_CHECK`; also a patch that does
+not load), 2 for a usage error,
 a missing folder, a folder that is not a checkpoint (or already in the converted layout), unreadable checkpoint
 files, an unusable cache folder, a patches file that raises or defines nothing, or an unknown recipe — printed as
 one line ``modelpatch: error: ...`` on stderr, never a traceback. ``modelpatch`` alone is ``modelpatch verify``;
@@ -15,7 +16,9 @@ reference load is always the unpatched model.
 Modules: the subcommands (each exposes ``add_parser(subparsers)`` and ``main(args) -> int``) and what they share:
 
 ``verify``      patched load vs unpatched reference: patches, loading, provenance, outputs, round trip
+``paths``       ``verify``'s checks of padding, KV caches, ``generate`` and MoE routing against the reference
 ``explain``     dry run on the meta device: what would be replaced and converted, no weight read
+``plan``        what ``verify`` fails on that shows without running the model, and the words both commands use
 ``convert``     :func:`~modelpatch.convert_checkpoint` from the command line
 ``routing_check`` an engine's MoE routes vs the model's own routing (R3's measures), replayed, ``--plot``
 ``sources``     where the patches come from: ``--recipe``, ``--patches FILE|MODULE`` (defined or registered)

@@ -3,20 +3,23 @@
 The model is built from its config on the ``meta`` device (no memory, no checkpoint access) inside the recipe's
 block, and the report lists: for each key, the classes it replaced and how many modules; keys that matched nothing;
 container/inner conflicts (:func:`modelpatch.conflicts.find_conflicts`, e.g. ``.*Attention`` on BERT); the
-conversion rules in force for the ``model_type`` (the recipe's and the built-in ones they leave), and with
+conversion rules in force for the model and its sub-models (the recipe's and the built-in ones they leave), and with
 ``--model DIR`` how many checkpoint keys each rule matches (read from the safetensors headers only).
+
+It is ``verify``'s plan: what ``verify`` would fail on that shows without running the model (keys that replace
+nothing, conflicts, and with ``--model DIR`` shapes the checkpoint cannot fill, parameters left at their initial
+values, keys not taken, rules that match no key: :mod:`.plan`) is listed in ``verify``'s words, and the exit status
+is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
-import torch
-
-from .checkpoint import add_trust_remote_code, checkpoint_keys, model_class, read_config, remote_code_kwargs
-from .errors import CliError
+from .checkpoint import add_trust_remote_code, checkpoint_keys, model_class, read_config
+from .errors import EXIT_FAILED_CHECK, CliError
+from .plan import has_weights, problem_words, rule_text, static_findings
 from .render import plain, section, strict_json, table
 from .sources import check_recipe_fits, config_names, resolve_patches
 
@@ -40,63 +43,57 @@ def _config(model_dir: str | None, model_type: str | None):
         raise CliError(f"unknown model type '{model_type}'") from None
 
 
-def _build_on_meta(config):
-    import transformers
-
-    cls: Any = model_class(config)
-    with torch.device("meta"):
-        if cls is transformers.AutoModel:
-            return transformers.AutoModel.from_config(config, **remote_code_kwargs())
-        return cls._from_config(config)
-
-
 def explain(recipe, *, model_dir: str | None = None, model_type: str | None = None) -> dict:
     """The dry run as a JSON-ready dict: ``replaced`` (key → {class: modules}), ``unmatched_keys``,
-    ``conflicts`` (messages), ``conversion_rules`` (rule → matched checkpoint keys, or ``null`` without a folder).
+    ``conflicts`` (messages), ``conversion_rules`` (the rules in force for the model and its sub-models, each with
+    the name it is registered under, ``registered_as``, and the checkpoint keys it matches, or ``null`` without a
+    folder), and ``problems``: ``{check: [phrase]}``, what ``verify``'s checks of those names would fail on, in its
+    words (:func:`.plan.problem_words`; with a folder, from the safetensors headers: shapes the checkpoint cannot
+    fill, parameters left at their initial values, keys not taken, rules that match no key).
 
     Raises:
         CliError: missing folder / unknown model type / unreadable checkpoint files (a truncated safetensors file, an
             index naming a missing shard).
     """
-    from ..conversion import get_checkpoint_conversion_mapping
+    from ..conversion.manual import _resolve
     from ..conversion.rules import match_rule
-    from ..patching.conflicts import find_conflicts
     from ..patching.provenance import provenance
 
     config = _config(model_dir, model_type)
     check_recipe_fits(recipe, config_names(config), f"'{model_dir}'" if model_dir else f"model type {model_type!r}")
-    with recipe.apply() as scope:
-        model = _build_on_meta(config)
-        rules = get_checkpoint_conversion_mapping(config.model_type) or []
+    model, findings = static_findings(recipe, config, model_dir)
     replaced: dict[str, dict[str, int]] = {key: {} for key in recipe.patch_mapping}
-    for module in model.modules():
+    for module in model.modules() if model is not None else ():
         found = provenance(module)
         if found is not None:
             classes = replaced.setdefault(found.key, {})
             name = f"{found.original.__name__} -> {found.replacement.__name__}"
             classes[name] = classes.get(name, 0) + 1
-    conflicts = find_conflicts(scope.resolved, list(scope.replaced_originals))
-    keys = checkpoint_keys(model_dir) if model_dir is not None and _has_weights(model_dir) else None
+    keys = checkpoint_keys(model_dir) if model_dir is not None and has_weights(model_dir) else None
+    resolved = _resolve(model, None)[0] if model is not None else None
     conversion = []
-    for rule in rules:
+    for rule in resolved.rules if resolved is not None else ():
         matched = None if keys is None else [k for k in keys if match_rule(rule, k) is not None]
-        conversion.append({"rule": repr(rule), "checkpoint_keys": matched})
+        owner = resolved.owner.get(id(rule)) if resolved is not None else None
+        conversion.append({"rule": rule_text(rule), "registered_as": owner, "checkpoint_keys": matched})
+    problems = problem_words(findings)
     return {
         "model_type": config.model_type,
-        "model_class": type(model).__name__,
+        "model_class": type(model).__name__ if model is not None else model_class(config).__name__,
         "recipe": recipe.name,
         "replaced": replaced,
-        "unmatched_keys": list(scope.unmatched_keys),
-        "conflicts": [c.message() for c in conflicts],
+        "unmatched_keys": findings.unmatched_keys,
+        "conflicts": findings.conflicts,
         "conversion_rules": conversion,
-        "parameters_on_meta": sum(p.numel() for p in model.parameters()),
+        "problems": problems,
+        "mismatched_keys": [
+            {"key": key, "checkpoint_shape": list(ck), "model_shape": list(own)} for key, ck, own in findings.mismatched
+        ],
+        "missing_keys": findings.missing,
+        "unexpected_keys": findings.unexpected,
+        "rules_that_matched_nothing": findings.unfired,
+        "parameters_on_meta": sum(p.numel() for p in model.parameters()) if model is not None else 0,
     }
-
-
-def _has_weights(model_dir: str) -> bool:
-    return any(
-        os.path.isfile(os.path.join(model_dir, n)) for n in ("model.safetensors", "model.safetensors.index.json")
-    )
 
 
 def render(report: dict) -> str:
@@ -115,15 +112,21 @@ def render(report: dict) -> str:
         out.append(f"  keys that match nothing: {', '.join(report['unmatched_keys'])}")
     out.append(section("conflicts", "\n".join(f"  {c}" for c in report["conflicts"]) or "  none"))
     conversion = [
-        [r["rule"], "-" if r["checkpoint_keys"] is None else len(r["checkpoint_keys"])]
+        [
+            r["registered_as"] or "transformers",
+            r["rule"],
+            "-" if r["checkpoint_keys"] is None else len(r["checkpoint_keys"]),
+        ]
         for r in report["conversion_rules"]
     ]
     out.append(
         section(
-            f"conversion rules for '{report['model_type']}'",
-            table(["rule", "checkpoint keys"], conversion) if conversion else "  none",
+            f"conversion rules for '{report['model_type']}' and its sub-models",
+            table(["rules of", "rule", "checkpoint keys"], conversion) if conversion else "  none",
         )
     )
+    lines = [f"  {check}: {phrase}" for check, phrases in report["problems"].items() for phrase in phrases]
+    out.append(section("what verify would fail on", "\n".join(lines) or "  nothing seen without running the model"))
     return "\n".join(out)
 
 
@@ -148,5 +151,4 @@ def main(args: argparse.Namespace) -> int:
     recipe = resolve_patches(args.recipe, args.patches)
     report = explain(recipe, model_dir=args.model, model_type=args.model_type)
     print(strict_json(report) if args.json else render(report))
-    ok = all(report["replaced"].get(k) for k in recipe.patch_mapping) and not report["conflicts"]
-    return 0 if ok else 1
+    return EXIT_FAILED_CHECK if any(report["problems"].values()) else 0

@@ -6,7 +6,15 @@ Checks (each one line in the summary; any failure → exit status 1):
 ``loading``     the patched load reports no missing/unexpected/mismatched key the vanilla load does not also report
 ``provenance``  every parameter's values come from the checkpoint (see :mod:`.provenance`)
 ``outputs``     max abs difference of the outputs (logits, or mean-pooled embeddings for encoders) ≤ ``--atol``
+``padding``, ``cache (dynamic)``, ``cache (static)``, ``generate``, ``routing``
+                the paths patches break, against the unpatched model (see :mod:`.paths`; ``--checks`` chooses,
+                ``--new-tokens`` sizes the decoding); a check that cannot run on the model is skipped, with its reason
 ``round trip``  patched → ``save_pretrained`` → plain Transformers load equals the vanilla load bit for bit
+
+A patched load that raises fails the ``loading`` check (exit status 1, not a usage error): it names what the
+checkpoint's headers show (a key whose shape the checkpoint cannot fill, both shapes; :mod:`.plan`), else the
+loader's message, and the checks that need the patched model are skipped. The ``patches`` and ``loading`` details
+are worded by :func:`.plan.problem_words`, as ``explain`` words the same findings.
 
 With ``--quantization NAME`` (see :mod:`.quantize`) two more: ``quantized`` (every expert Linear quantized, no fused
 experts parameter left in full precision, outputs within the quantizer's usual error of the full-precision patched
@@ -37,7 +45,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..conversion.compose import settle_layouts
 from ..conversion.unloaded import allow_init_values
 from ..recipes import FULL_EXAMPLE, Recipe
 from .checkpoint import (
@@ -51,6 +58,8 @@ from .checkpoint import (
 )
 from .errors import EXIT_FAILED_CHECK, CliError
 from .inputs import model_inputs, model_output
+from .paths import DEFAULT_NEW_TOKENS, PATH_CHECKS, PathCheck, run_path_checks
+from .plan import Findings, problem_words, static_findings, unfired_rules
 from .provenance import ParamSource, first_difference, parameter_provenance
 from .quantize import QUANTIZATIONS, QuantizedResult, quantization_config, run_quantized
 from .render import plain, section, strict_json, table
@@ -65,9 +74,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class Check:
+    """One line of the checks table; a ``skipped`` check (``ok`` False) could not run on the model and neither
+    passes nor fails the run."""
+
     name: str
     ok: bool
     detail: str
+    skipped: bool = False
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.skipped else "ok" if self.ok else "FAIL"
 
 
 @dataclass(frozen=True)
@@ -103,11 +120,17 @@ class VerifyResult:
     unfired_rules: list = field(default_factory=list)
     quantization: QuantizedResult | None = None
     training: TrainResult | None = None
+    paths: list[PathCheck] = field(default_factory=list)
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    load_failure: Findings | None = None
+    output_error: str | None = None
+    save_error: str | None = None
     checks: list[Check] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return bool(self.checks) and all(c.ok for c in self.checks)
+        ran = [c for c in self.checks if not c.skipped]
+        return bool(ran) and all(c.ok for c in ran)
 
     def as_dict(self) -> dict:
         return {
@@ -127,7 +150,21 @@ class VerifyResult:
             "round_trip": {"bit_exact": self.round_trip is None, "first_difference": self.round_trip},
             "quantization": None if self.quantization is None else self.quantization.as_dict(),
             "training": None if self.training is None else self.training.as_dict(),
-            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
+            "paths": [
+                {
+                    "name": p.name,
+                    "status": p.status,
+                    "figure": p.figure,
+                    "first_divergence": p.where,
+                    "detail": p.detail,
+                }
+                for p in self.paths
+            ],
+            "new_tokens": self.new_tokens,
+            "checks": [
+                {"name": c.name, "ok": None if c.skipped else c.ok, "status": c.status, "detail": c.detail}
+                for c in self.checks
+            ],
         }
 
 
@@ -162,8 +199,15 @@ def run_verify(
     source_args: str | None = None,
     quantization: str | None = None,
     train: TrainSettings | None = None,
+    checks: tuple[str, ...] = PATH_CHECKS,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
 ) -> VerifyResult:
     """Run every check of ``verify`` on ``model_dir`` with ``recipe``; returns the result (never exits).
+
+    ``checks``: the path checks to run (names of :data:`.paths.PATH_CHECKS`; the others always run), decoding
+    ``new_tokens`` tokens. A patched load that raises is a failed ``loading`` check, naming what the checkpoint's
+    headers show (a key whose shape the checkpoint cannot fill, with both shapes: :func:`.plan.static_findings`), or
+    else the loader's message; the checks that need the patched model are then skipped.
 
     ``source_args`` is how the recipe was given on the command line (``--recipe NAME``, ``--patches FILE``; default
     ``--recipe <recipe.name>``), used in the advice of :func:`converted_layout_error`. ``quantization``: a name of
@@ -173,7 +217,7 @@ def run_verify(
 
     Raises:
         CliError: the folder is not a checkpoint, is already in the layout the recipe converts to (the unpatched
-            reference would be random there), or a load itself fails (message of the error); an unknown
+            reference would be random there), or the unpatched load fails (message of the error); an unknown
             quantization or one whose backend is not installed; bad ``train`` settings (before any load), or a
             training step that fails.
     """
@@ -185,14 +229,21 @@ def run_verify(
         quantization_config(quantization)  # an unknown name or a missing backend, before any load
     if train is not None:
         _check_train_settings(train)
+    unknown = [name for name in checks if name not in PATH_CHECKS]
+    if unknown or new_tokens < 1:
+        raise CliError(
+            f"--checks: unknown check(s) {unknown}; known: {', '.join(PATH_CHECKS)}"
+            if unknown
+            else f"--new-tokens: must be an integer >= 1, got {new_tokens}"
+        )
     torch_dtype = DTYPES[dtype]
     atol = atol if atol is not None else (1e-5 if torch_dtype == torch.float32 else 2e-2)
     config = read_config(model_dir)
     check_recipe_fits(recipe, config_names(config), f"the checkpoint at '{model_dir}'")
     cls: Any = model_class(config)
-    result = VerifyResult(model_dir, recipe.name, cls.__name__, dtype, atol=atol)
+    result = VerifyResult(model_dir, recipe.name, cls.__name__, dtype, atol=atol, new_tokens=new_tokens)
     steps = tqdm(
-        total=6 + (train is not None),
+        total=6 + bool(checks) + (train is not None),
         desc="modelpatch verify",
         unit="step",
         disable=None if progress is None else not progress,
@@ -213,8 +264,8 @@ def run_verify(
         steps.set_postfix_str("patched load")
         try:
             patched, patched_info, result.load_seconds["patched"] = _timed_load(cls, model_dir, torch_dtype, recipe)
-        except Exception as exc:  # noqa: BLE001 - the loader's message is the answer
-            raise CliError(f"patched load of '{model_dir}' failed: {type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a patch that does not load fails: what the headers show, or why
+            return _failed_load(result, recipe, config, model_dir, exc, checks)
         steps.update()
         report = patch_report(patched)
         result.patch = report.as_dict()
@@ -225,13 +276,31 @@ def run_verify(
         steps.set_postfix_str("forward")
         inputs, result.input = model_inputs(model_dir, config)
         expected, result.output_kind = model_output(vanilla, inputs)
-        actual, _ = model_output(patched, inputs)
+        try:
+            actual, _ = model_output(patched, inputs)
+        except Exception as exc:  # noqa: BLE001 - a patched forward that raises fails the outputs check
+            result.output_error = _first_line(exc)
+            actual = torch.full_like(expected, float("nan"))
         result.max_abs_diff = float((actual - expected).abs().max()) if actual.shape == expected.shape else float("inf")
         steps.update()
+        if checks:
+            result.paths = run_path_checks(
+                vanilla,
+                patched,
+                inputs,
+                checks=checks,
+                new_tokens=new_tokens,
+                atol=atol,
+                progress=steps.set_postfix_str,
+            )
+            steps.update()
 
         steps.set_postfix_str("save")
         start = time.perf_counter()
-        patched.save_pretrained(saved_dir)
+        try:
+            patched.save_pretrained(saved_dir)
+        except Exception as exc:  # noqa: BLE001 - a patched model that cannot be saved fails the round trip
+            result.save_error = _first_line(exc)
         result.load_seconds["save_patched"] = time.perf_counter() - start
         rows = conversion_report(patched)
         result.conversion = [
@@ -246,17 +315,19 @@ def run_verify(
         ]
         steps.update()
 
-        result.unfired_rules = _unfired_rules(recipe, patched, rows)
-        steps.set_postfix_str("provenance")
-        result.provenance = parameter_provenance(
-            patched, model_dir, saved_dir, [r for r in rows if r.direction == "load"]
-        )
-        steps.update()
-
-        steps.set_postfix_str("round trip")
-        plain = cls.from_pretrained(saved_dir, dtype=torch_dtype, **remote_code_kwargs()).eval()
-        result.round_trip = first_difference(plain.state_dict(), vanilla.state_dict())
-        steps.update()
+        result.unfired_rules = unfired_rules(recipe, patched, {r.rule for r in rows if r.direction == "load"})
+        if result.save_error is None:
+            steps.set_postfix_str("provenance")
+            result.provenance = parameter_provenance(
+                patched, model_dir, saved_dir, [r for r in rows if r.direction == "load"]
+            )
+            steps.update()
+            steps.set_postfix_str("round trip")
+            plain = cls.from_pretrained(saved_dir, dtype=torch_dtype, **remote_code_kwargs()).eval()
+            result.round_trip = first_difference(plain.state_dict(), vanilla.state_dict())
+            steps.update()
+        else:
+            result.round_trip = f"save_pretrained of the patched model fails: {result.save_error}"
         if quantization is not None:
             steps.set_postfix_str(f"quantized ({quantization})")
             result.quantization = run_quantized(
@@ -287,6 +358,11 @@ def run_verify(
     return result
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
 def _check_train_settings(train: TrainSettings) -> None:
     """The ``--train`` settings :func:`.train_check.run_train_check` would refuse, refused before any load."""
     if train.optimizer not in OPTIMIZERS:
@@ -307,35 +383,6 @@ def _load_for_training(cls, path: str, recipe: Recipe | None, dtype: torch.dtype
         which = "unpatched" if recipe is None else "patched"
         name = str(dtype).removeprefix("torch.")
         raise CliError(f"{name} {which} load of '{path}' for --train failed: {type(exc).__name__}: {exc}") from None
-
-
-def _rule_text(rule) -> str:
-    """How the conversion report names ``rule``: the registries and blocks rebuild Transformers' own
-    ``WeightConverter``/``WeightRenaming`` (and operations) as modelpatch's, and the rows name what actually ran."""
-    from ..conversion.rules import as_modelpatch_rule
-
-    try:
-        return repr(as_modelpatch_rule(rule))
-    except TypeError:
-        return repr(rule)
-
-
-def _unfired_rules(recipe: Recipe, model, rows) -> list[str]:
-    """The recipe's rules, for the names that apply to ``model`` (its ``model_type`` or a sub-model's class name or
-    type), that converted no checkpoint key: the checkpoint does not have the layout the recipe expects."""
-    from transformers import PreTrainedModel
-
-    names = set()
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            names |= {type(module).__name__, getattr(module.config, "model_type", None)}
-    fired = {r.rule for r in rows if r.direction == "load"}
-    rules = [rule for name, group in recipe.build_conversion_rules().items() if name in names for rule in group]
-    fired_ids = {id(rule) for rule in rules if _rule_text(rule) in fired}
-    # a rule of an alternative checkpoint layout (per-expert or fused experts) the checkpoint is not in is not
-    # expected to fire: only the rules of the layout the checkpoint has are
-    expected = settle_layouts(rules, {id(rule) for rule in rules}, fired_ids)
-    return [_rule_text(rule) for rule in rules if id(rule) in expected and id(rule) not in fired_ids]
 
 
 def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info: dict, source_args: str) -> str | None:
@@ -375,29 +422,69 @@ def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info:
     return None
 
 
-def _checks(result: VerifyResult, report) -> list[Check]:
+def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, exc: Exception, checks) -> VerifyResult:
+    """The result of a patched load that raised: ``patches`` from the patched model built on ``meta``, ``loading``
+    failed with what the checkpoint's headers show (:func:`.plan.static_findings`) or the loader's message, the
+    checks that need the patched model skipped."""
+    from ..patching.report import patch_report
+
+    meta, findings = static_findings(recipe, config, model_dir)
+    if not findings.mismatched and findings.load_error is None:
+        findings.load_error = _first_line(exc)
+    result.load_failure = findings
+    report = patch_report(meta) if meta is not None else None
+    result.patch = report.as_dict() if report is not None else {}
+    result.patch.pop("conversion", None)
+    result.unfired_rules = findings.unfired
+    findings.replaced = None  # the patches check states the count itself
+    words = problem_words(findings)
+    why = "the patched load failed"
+    skipped = ["provenance", "outputs"]
+    for name in (c for c in PATH_CHECKS if c in checks):
+        skipped += ["cache (dynamic)", "cache (static)"] if name == "cache" else [name]
+    skipped.append("round trip")
+    result.checks = [
+        _patches_check(report, words) if report is not None else Check("patches", False, "; ".join(words["patches"])),
+        Check("loading", False, "; ".join(words["loading"])),
+        *(Check(name, False, why, skipped=True) for name in skipped),
+    ]
+    return result
+
+
+def _patches_check(report, words: dict[str, list[str]]) -> Check:
     rows, unmatched, conflicts = report.rows, report.unmatched_keys, report.conflicts
-    patch_ok = bool(rows) and not unmatched and not conflicts
-    patch_detail = f"{len(rows)} module(s) replaced"
-    if unmatched:
-        patch_detail += f"; keys that replaced nothing: {unmatched}"
-    if conflicts:
-        patch_detail += f"; {len(conflicts)} container/inner conflict(s)"
-    issues = {k: v for k, v in result.loading.items() if v}
-    if result.unfired_rules:
-        issues["rules that matched no checkpoint key"] = result.unfired_rules
+    return Check(
+        "patches",
+        bool(rows) and not unmatched and not conflicts,
+        "; ".join([f"{len(rows)} module(s) replaced", *words["patches"]]),
+    )
+
+
+def _checks(result: VerifyResult, report) -> list[Check]:
+    loading = result.loading
+    findings = Findings(
+        unmatched_keys=list(report.unmatched_keys),
+        conflicts=[c.message() for c in report.conflicts],
+        missing=loading.get("missing_keys") or [],
+        unexpected=loading.get("unexpected_keys") or [],
+        unfired=result.unfired_rules,
+    )
+    words = problem_words(findings)
+    # Transformers' own mismatched-key entries (a load with ignore_mismatched_sizes): named as it names them
+    if loading.get("mismatched_keys"):
+        words["loading"].insert(0, f"mismatched_keys: {loading['mismatched_keys'][:3]}")
     bad = [p for p in result.provenance if not p.ok]
     return (
         [
-            Check("patches", patch_ok, patch_detail),
+            _patches_check(report, words),
             Check(
                 "loading",
-                not issues,
-                "no new missing/unexpected/mismatched keys"
-                if not issues
-                else "; ".join(f"{k}: {v[:3]}{' ...' if len(v) > 3 else ''}" for k, v in issues.items()),
+                not words["loading"],
+                "; ".join(words["loading"]) or "no new missing/unexpected/mismatched keys",
             ),
-            Check(
+            Check("provenance", False, "save_pretrained of the patched model failed", skipped=True)
+            if result.save_error is not None
+            else Check(
                 "provenance",
                 not bad,
                 f"all {len(result.provenance)} parameters from the checkpoint"
@@ -408,8 +495,11 @@ def _checks(result: VerifyResult, report) -> list[Check]:
             Check(
                 "outputs",
                 result.max_abs_diff <= result.atol,
-                f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})",
+                f"max abs diff of {result.output_kind} {result.max_abs_diff:.3g} (atol {result.atol:g})"
+                if result.output_error is None
+                else f"the patched model's forward fails: {result.output_error}",
             ),
+            *(Check(p.name, p.status == "ok", p.detail, skipped=p.status == "skipped") for p in result.paths),
             Check(
                 "round trip",
                 result.round_trip is None,
@@ -567,7 +657,7 @@ def render(result: VerifyResult) -> str:
     out.append(
         section(
             "checks",
-            table(["check", "result", "detail"], [[c.name, "ok" if c.ok else "FAIL", c.detail] for c in result.checks]),
+            table(["check", "result", "detail"], [[c.name, c.status, c.detail] for c in result.checks]),
         )
     )
     out.append(f"\n{'PASS' if result.ok else 'FAIL'}")
@@ -589,7 +679,7 @@ def _tolerance(text: str) -> float:
 
 
 def _at_least_one(text: str) -> int:
-    """``--steps``, ``--tokens``: an integer >= 1."""
+    """``--steps``, ``--tokens``, ``--new-tokens``: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -597,6 +687,19 @@ def _at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
+
+
+def _path_checks(text: str) -> tuple[str, ...]:
+    """``--checks``: names of :data:`.paths.PATH_CHECKS`, comma-separated, or ``none``."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if names == ["none"]:
+        return ()
+    unknown = [name for name in names if name not in PATH_CHECKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown check(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(PATH_CHECKS)}, or none"
+        )
+    return tuple(name for name in PATH_CHECKS if name in names)
 
 
 def _learning_rate(text: str) -> float:
@@ -622,6 +725,21 @@ def add_parser(subparsers) -> None:
     source.add_argument("--patches", metavar="MODULE_OR_FILE", help="module or .py file defining PATCH_MAPPING")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="load dtype (default float32)")
     parser.add_argument("--atol", type=_tolerance, help="output tolerance (default 1e-5 for float32, else 2e-2)")
+    parser.add_argument(
+        "--checks",
+        type=_path_checks,
+        default=PATH_CHECKS,
+        metavar="LIST",
+        help=f"comma-separated paths to check against the unpatched model besides the weights, outputs and round "
+        f"trip: {', '.join(PATH_CHECKS)} (default all; 'none' for none)",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=_at_least_one,
+        default=DEFAULT_NEW_TOKENS,
+        metavar="N",
+        help=f"tokens decoded by the cache and generate checks (default {DEFAULT_NEW_TOKENS})",
+    )
     parser.add_argument(
         "--quantization",
         metavar="NAME",
@@ -704,6 +822,8 @@ def main(args: argparse.Namespace) -> int:
         source_args=source_args,
         quantization=args.quantization,
         train=train,
+        checks=args.checks,
+        new_tokens=args.new_tokens,
     )
     print(strict_json(result.as_dict()) if args.json else render(result))
     return 0 if result.ok else EXIT_FAILED_CHECK

@@ -98,7 +98,8 @@ class FusedQKVAttention(nn.Module):
 
     Built with the original's constructor arguments ``(config, layer_idx)``; ``forward`` has the original's
     signature ``(hidden_states (B, T, hidden), position_embeddings=(cos, sin), attention_mask, past_key_values,
-    **kwargs) -> (attn_output (B, T, hidden), attn_weights | None)``.
+    **kwargs) -> (attn_output (B, T, hidden), attn_weights | None)``; the KV cache is taken as ``past_key_values``
+    (Transformers 5.23) or as ``cache`` (5.24 and later, which pass it under that name).
     """
 
     family: ClassVar[AttentionFamily]
@@ -143,6 +144,10 @@ class FusedQKVAttention(nn.Module):
         return {}
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        # Transformers >= 5.24 passes the KV cache as ``cache`` (``past_key_values`` is deprecated there) and hands
+        # the call's kwargs to its update; read as ``past_key_values`` alone, the cache was never written and every
+        # decode step attended to its own token only (``modelpatch verify``'s cache checks caught it)
+        cache = kwargs.pop("cache", None)
         module = self.modeling
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -153,7 +158,9 @@ class FusedQKVAttention(nn.Module):
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = position_embeddings
         query, key = module.apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, module.eager_attention_forward

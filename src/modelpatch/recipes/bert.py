@@ -25,7 +25,8 @@ __all__ = ["FusedQKVBertSelfAttention", "bert_fused_qkv_rules", "BERT_FUSED_QKV"
 class FusedQKVBertSelfAttention(nn.Module):
     """Replacement of ``BertSelfAttention`` with the same constructor ``(config, is_causal=False, layer_idx=None)``
     and forward ``(hidden_states (B, T, H), attention_mask, past_key_values, **kwargs) -> (context (B, T, H),
-    attn_weights | None)``."""
+    attn_weights | None)``; the KV cache (a decoder BERT) is taken as ``past_key_values`` (Transformers 5.23) or as
+    ``cache`` (5.24 and later)."""
 
     def __init__(self, config, is_causal: bool = False, layer_idx: int | None = None):
         super().__init__()
@@ -49,13 +50,13 @@ class FusedQKVBertSelfAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.attention_head_size)
         query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in self.qkv(hidden_states).chunk(3, dim=-1))
-        if past_key_values is not None:
-            cache = (
-                past_key_values.self_attention_cache
-                if isinstance(past_key_values, EncoderDecoderCache)
-                else past_key_values
-            )
-            key, value = cache.update(key, value, self.layer_idx)  # type: ignore[arg-type]  # set when a cache is used
+        # Transformers >= 5.24 passes the KV cache as ``cache`` and hands the call's kwargs to its update
+        given = kwargs.pop("cache", None)
+        update_kwargs = {"kwargs": kwargs} if given is not None else {}
+        given = past_key_values if given is None else given
+        if given is not None:
+            cache = given.self_attention_cache if isinstance(given, EncoderDecoderCache) else given
+            key, value = cache.update(key, value, self.layer_idx, **update_kwargs)  # type: ignore[arg-type]  # set when a cache is used
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         output, weights = attention(
             self,
