@@ -1,0 +1,161 @@
+"""One process of ``torchrun --standalone --nproc_per_node 2 tests/zero3_dist_worker.py CHECKPOINTS OUT PHASES``
+(``DS_ACCELERATOR=cpu``, gloo): DeepSpeed ZeRO-3 switched on by ``TrainingArguments(deepspeed=...)`` *before* the
+model is loaded, so ``from_pretrained`` builds it under ``deepspeed.zero.Init`` and loads it with Transformers'
+ZeRO-3 loader (the normal path of a Trainer run).
+
+``CHECKPOINTS`` is a JSON file ``{name: checkpoint folder}`` (tests/train_dist_worker.py ``make_checkpoints``).
+``PHASES`` (comma-separated):
+
+* ``load:<checkpoint>:<recipe>``: load with the recipe; rank 0 writes ``OUT/load-<checkpoint>-<recipe>.pt``:
+  ``{"state": gathered model state dict, "original": gathered checkpoint-layout state dict
+  (iter_original_state_dict under GatheredParameters), "error": repr of what the load raised or None}``;
+* ``train:<checkpoint>:<recipe>``: the loaded model trains ``STEPS`` steps of SGD with ``transformers.Trainer``
+  (each rank one sequence of ``TOKENS`` tokens a step) and saves with ``stage3_gather_16bit_weights_on_model_save``;
+  rank 0 writes ``OUT/train-<checkpoint>-<recipe>.pt`` (the final weights in the checkpoint layout) and the
+  Trainer's checkpoint lands in ``OUT/train-<checkpoint>-<recipe>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+STEPS, TOKENS, ROWS = 2, 3, 4
+LEARNING_RATE = 0.05
+
+
+def ds_config() -> dict:
+    """ZeRO-3 in fp32 (no mixed precision: the comparison with one process is exact up to reduction order)."""
+    return {
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+    }
+
+
+def training_arguments(output_dir: str, **kwargs):
+    """``TrainingArguments`` with ZeRO-3 switched on (this is what makes ``from_pretrained`` build under
+    ``deepspeed.zero.Init``).
+
+    The accelerate workaround: accelerate 1.15 and 1.16 on a machine without a GPU report a world size of 1 under
+    DeepSpeed (``AcceleratorState`` falls back to its CPU branch, so the Trainer's ``train_batch_size`` check fails
+    against DeepSpeed's own count of 2). Building the distributed ``PartialState`` with gloo first, with
+    ``ACCELERATE_USE_DEEPSPEED=true``, and telling the Trainer to use that configured state works around it."""
+    from accelerate import PartialState
+    from transformers import TrainingArguments
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    return TrainingArguments(
+        output_dir=output_dir,
+        deepspeed=ds_config(),
+        accelerator_config={"use_configured_state": True},
+        report_to=[],
+        disable_tqdm=True,
+        **kwargs,
+    )
+
+
+def load(path: str, recipe: str):
+    from transformers import AutoModelForCausalLM
+
+    from modelpatch.recipes import get_recipe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if recipe == "none":
+            return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+        with get_recipe(recipe).apply():
+            return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+
+
+def gathered(model) -> tuple[dict, dict]:
+    """The model's state dict and its checkpoint layout (``iter_original_state_dict``), gathered."""
+    import deepspeed
+
+    from modelpatch import iter_original_state_dict
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        original = {k: v.detach().clone() for k, v in iter_original_state_dict(model)}
+    return state, original
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(3, 100, (ROWS, TOKENS), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def phase_load(paths: dict, out: str, name: str, recipe: str, args) -> None:
+    result: dict = {"error": None}
+    try:
+        model = load(paths[name], recipe)
+        result["state"], result["original"] = gathered(model)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(out, f"load-{name}-{recipe}.pt"))
+
+
+def phase_train(paths: dict, out: str, name: str, recipe: str, args) -> None:
+    from transformers import Trainer
+
+    from modelpatch import iter_original_state_dict
+
+    model = load(paths[name], recipe).train()
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train()
+    trainer.save_model(os.path.join(out, f"train-{name}-{recipe}"))
+    import deepspeed
+
+    engine = trainer.model_wrapped
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        weights = {k: v.detach().float().clone() for k, v in iter_original_state_dict(engine.module)}
+    if dist.get_rank() == 0:
+        torch.save(weights, os.path.join(out, f"train-{name}-{recipe}.pt"))
+
+
+def main(checkpoints: str, out: str, phases: str) -> None:
+    torch.set_num_threads(1)
+    with open(checkpoints) as fh:
+        paths = json.load(fh)
+    args = training_arguments(
+        os.path.join(out, "trainer"),
+        per_device_train_batch_size=1,
+        learning_rate=LEARNING_RATE,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_steps=STEPS,
+        save_strategy="no",
+        logging_steps=100,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        max_grad_norm=0.0,
+    )
+    for phase in phases.split(","):
+        kind, name, recipe = phase.split(":")
+        {"load": phase_load, "train": phase_train}[kind](paths, out, name, recipe, args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
