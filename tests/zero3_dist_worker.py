@@ -3,16 +3,18 @@
 model is loaded, so ``from_pretrained`` builds it under ``deepspeed.zero.Init`` and loads it with Transformers'
 ZeRO-3 loader (the normal path of a Trainer run).
 
-``CHECKPOINTS`` is a JSON file ``{name: checkpoint folder}`` (tests/train_dist_worker.py ``make_checkpoints``).
-``PHASES`` (comma-separated):
+``CHECKPOINTS`` is a JSON file ``{name: checkpoint folder}`` (:func:`make_checkpoints`). ``PHASES``
+(comma-separated) ``<kind>:<checkpoint>:<how>``, where ``how`` is a recipe name or one of :data:`USER_CASES`:
 
-* ``load:<checkpoint>:<recipe>``: load with the recipe; rank 0 writes ``OUT/load-<checkpoint>-<recipe>.pt``:
-  ``{"state": gathered model state dict, "original": gathered checkpoint-layout state dict
-  (iter_original_state_dict under GatheredParameters), "error": repr of what the load raised or None}``;
-* ``train:<checkpoint>:<recipe>``: the loaded model trains ``STEPS`` steps of SGD with ``transformers.Trainer``
-  (each rank one sequence of ``TOKENS`` tokens a step) and saves with ``stage3_gather_16bit_weights_on_model_save``;
-  rank 0 writes ``OUT/train-<checkpoint>-<recipe>.pt`` (the final weights in the checkpoint layout) and the
-  Trainer's checkpoint lands in ``OUT/train-<checkpoint>-<recipe>/``.
+* ``load``: rank 0 writes ``OUT/load-<checkpoint>-<how>.pt``: ``{"state": the gathered model state dict,
+  "original": the gathered checkpoint layout (``iter_original_state_dict`` under ``GatheredParameters``),
+  "patch_report"/"conversion_report": the reports, "error": what the load raised, or None}``;
+* ``train`` (at most one per process: accelerate allows one DeepSpeed ``Accelerator`` per process): the loaded model
+  trains ``STEPS`` steps of SGD with ``transformers.Trainer`` (rows in order, each rank one sequence of ``TOKENS``
+  tokens a step) and saves with ``stage3_gather_16bit_weights_on_model_save`` into ``OUT/train-<checkpoint>-<how>/``;
+  rank 0 writes ``OUT/train-<checkpoint>-<how>.pt``: the final weights in the checkpoint layout (gathered).
+
+:func:`load` (the same code in one process without DeepSpeed) is the reference the test compares with.
 """
 
 from __future__ import annotations
@@ -68,17 +70,63 @@ def training_arguments(output_dir: str, **kwargs):
     )
 
 
-def load(path: str, recipe: str):
+USER_CASES = ("none", "user-qkv-rule", "qkv-without-rule")
+"""Loads other than a recipe: unpatched; tests/conversion_models.py's fused-QKV attention with the user rule
+``QKV_RULE``; the same attention without a rule (its ``qkv_proj`` cannot come from the checkpoint: refused)."""
+
+
+def make_checkpoints(folder) -> dict[str, str]:
+    """tests/train_dist_worker.py's qwen2_moe and llama checkpoints, and a tiny mixtral (experts named
+    ``block_sparse_moe.experts.{e}.w1/w2/w3`` in the checkpoint) with distinct random experts."""
+    from pathlib import Path
+
+    from transformers import MixtralForCausalLM
+
+    import linear_experts_support as les
+    import train_dist_worker
+    from helpers import tiny_mixtral_config
+
+    paths = train_dist_worker.make_checkpoints(Path(folder))
+    torch.manual_seed(0)
+    mixtral = MixtralForCausalLM(tiny_mixtral_config())
+    with torch.no_grad():
+        for _, experts in les._decorated(mixtral):
+            les._randomize(experts, torch.Generator().manual_seed(1))
+    paths["mixtral"] = str(Path(folder) / "mixtral")
+    mixtral.save_pretrained(paths["mixtral"])
+    return paths
+
+
+def load(path: str, how: str):
+    """The checkpoint at ``path`` loaded with the recipe (or user case) ``how``."""
+    import contextlib
+
     from transformers import AutoModelForCausalLM
 
+    from conversion_models import QKV_RULE, FusedQKVAttention, patched
+    from modelpatch import apply_conversion_rules
     from modelpatch.recipes import get_recipe
 
+    if how == "none":
+        block: contextlib.AbstractContextManager = contextlib.nullcontext()
+    elif how == "user-qkv-rule":
+        block = contextlib.ExitStack()
+        block.enter_context(patched({"LlamaAttention": FusedQKVAttention}))
+        block.enter_context(apply_conversion_rules({"llama": [QKV_RULE]}))
+    elif how == "qkv-without-rule":
+        block = patched({"LlamaAttention": FusedQKVAttention})
+    else:
+        block = get_recipe(how).apply()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if recipe == "none":
+        with block:
             return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-        with get_recipe(recipe).apply():
-            return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+
+
+def reports(model) -> tuple[str, list]:
+    from modelpatch import conversion_report, patch_report
+
+    return str(patch_report(model)), [row.as_dict() for row in conversion_report(model)]
 
 
 def gathered(model) -> tuple[dict, dict]:
@@ -109,6 +157,7 @@ def phase_load(paths: dict, out: str, name: str, recipe: str, args) -> None:
     try:
         model = load(paths[name], recipe)
         result["state"], result["original"] = gathered(model)
+        result["patch_report"], result["conversion_report"] = reports(model)
     except Exception as e:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
@@ -121,8 +170,12 @@ def phase_train(paths: dict, out: str, name: str, recipe: str, args) -> None:
 
     from modelpatch import iter_original_state_dict
 
+    class InOrder(Trainer):  # rows in order: step s is rows 2s (rank 0) and 2s+1 (rank 1), as one process's batch
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
     model = load(paths[name], recipe).train()
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer = InOrder(model=model, args=args, train_dataset=Tokens())
     trainer.train()
     trainer.save_model(os.path.join(out, f"train-{name}-{recipe}"))
     import deepspeed
