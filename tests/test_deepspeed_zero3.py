@@ -32,6 +32,7 @@ import pytest
 import torch
 from filelock import FileLock
 
+import modelpatch
 import zero3_dist_worker as worker
 
 LAUNCH_TIMEOUT = 300  # seconds (measured 30-40 s once DeepSpeed's CPU op is built; building it: ~3 min on 2 cores)
@@ -57,7 +58,8 @@ def _launch(out: Path) -> str:
     command += [str(Path(__file__).with_name("zero3_dist_worker.py")), str(out / "checkpoints.json"), str(out)]
     command += [",".join(phases)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
+    # the workers import the modelpatch this process imported
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(modelpatch.__file__).parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)

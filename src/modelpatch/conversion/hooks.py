@@ -30,11 +30,11 @@ import threading
 from transformers import modeling_utils as _mu
 
 from ..patching.scopes import active_scopes
+from . import zero3
 from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
 from .loading import convert_and_load
 from .quantized import check_prequantized_layers, quantizer_label, warn_fused_experts_left
 from .registry import set_hooks_installed
-from . import zero3
 from .saving import revert_to_original_layout
 from .state import get_state, set_state
 from .unloaded import check_replacements_loaded
