@@ -9,6 +9,7 @@ and saves it. Checked here against the same loads in this process without DeepSp
 
 * the gathered weights (model layout, and checkpoint layout through ``iter_original_state_dict``) equal a plain load
   exactly, and the patch and conversion reports are the same;
+* ``iter_original_state_dict`` outside ``GatheredParameters`` (partitions of shape ``(0,)``) is refused;
 * a patch whose parameters the checkpoint cannot fill is refused while loading (``ConversionError`` naming the
   module), as without DeepSpeed, instead of training ``__init__`` values;
 * 2 SGD steps (each rank one sequence of 3 tokens) equal one process on the whole batch; the Trainer's save
@@ -107,6 +108,8 @@ def test_zero3_loads_equal_a_plain_load_and_refuse_what_they_cannot_fill(zero3):
         assert (got["patch_report"], got["conversion_report"]) == worker.reports(plain), (name, how)
         if how != "none":
             assert got["conversion_report"] or "linear-experts" in how, (name, how)  # the user rule converted
+        # outside GatheredParameters the parameters are partitions: exporting them is refused, not empty tensors
+        assert got["ungathered"].startswith("ConversionError") and "ZeRO-3 partitions" in got["ungathered"], got
     # the experts recipe and the user rule changed the layout: the comparison is not of two unpatched models
     experts = torch.load(out / "load-qwen2_moe-qwen2_moe-linear-experts.pt", weights_only=False)["state"]
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in experts

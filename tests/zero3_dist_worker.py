@@ -8,7 +8,8 @@ ZeRO-3 loader (the normal path of a Trainer run).
 
 * ``load``: rank 0 writes ``OUT/load-<checkpoint>-<how>.pt``: ``{"state": the gathered model state dict,
   "original": the gathered checkpoint layout (``iter_original_state_dict`` under ``GatheredParameters``),
-  "patch_report"/"conversion_report": the reports, "error": what the load raised, or None}``;
+  "patch_report"/"conversion_report": the reports, "ungathered": what ``iter_original_state_dict`` raised outside
+  ``GatheredParameters``, "error": what the load raised, or None}``;
 * ``train`` (at most one per process: accelerate allows one DeepSpeed ``Accelerator`` per process): the loaded model
   trains ``STEPS`` steps of SGD with ``transformers.Trainer`` (rows in order, each rank one sequence of ``TOKENS``
   tokens a step) and saves with ``stage3_gather_16bit_weights_on_model_save`` into ``OUT/train-<checkpoint>-<how>/``;
@@ -153,11 +154,18 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def phase_load(paths: dict, out: str, name: str, recipe: str, args) -> None:
+    from modelpatch import iter_original_state_dict
+
     result: dict = {"error": None}
     try:
         model = load(paths[name], recipe)
         result["state"], result["original"] = gathered(model)
         result["patch_report"], result["conversion_report"] = reports(model)
+        result["ungathered"] = None
+        try:  # outside GatheredParameters: partitions, refused
+            dict(iter_original_state_dict(model))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            result["ungathered"] = f"{type(e).__name__}: {e}"
     except Exception as e:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()

@@ -24,10 +24,11 @@ import torch
 from transformers import core_model_loading as _tcml
 
 from .compose import ResolvedRules, compose_builtins
+from .errors import ConversionError
 from .loading import model_key, prepare, transformers_renamings
 from .state import ConversionState  # noqa: F401 - named in docstrings
 
-__all__ = ["tensor_shape", "zero3_state_shapes", "convert_checkpoint", "unread_keys", "ZeroLoadInfo"]
+__all__ = ["tensor_shape", "zero3_state_shapes", "convert_checkpoint", "unread_keys", "ZeroLoadInfo", "check_gathered"]
 
 
 def tensor_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -107,3 +108,27 @@ class _WithMetadata(dict):
     """A dict that can carry ``_metadata`` (``torch.load``'s per-module versions) like the one it replaces."""
 
     _metadata: dict
+
+
+def check_gathered(model, state_dict: dict) -> None:
+    """Refuse a state dict that holds ZeRO-3 partitions of ``model``'s parameters (``param.shape`` ``(0,)`` or a
+    slice, outside ``deepspeed.zero.GatheredParameters``) instead of the full tensors: converted to the original
+    layout they would be empty or wrong.
+
+    Raises:
+        ConversionError: naming the parameters (up to 4) whose tensor is not of their full ``ds_shape``.
+    """
+    full = {k: tensor_shape(p) for k, p in model.named_parameters() if getattr(p, "ds_shape", None) is not None}
+    if not full:
+        return
+    partial = [
+        k for k, v in state_dict.items() if k in full and isinstance(v, torch.Tensor) and tuple(v.shape) != full[k]
+    ]
+    if partial:
+        raise ConversionError(
+            f"{len(partial)} tensor(s) of the state dict are DeepSpeed ZeRO-3 partitions, not full parameters: "
+            f"{', '.join(partial[:4])}{' ...' if len(partial) > 4 else ''} (e.g. '{partial[0]}' has shape "
+            f"{tuple(state_dict[partial[0]].shape)}, its parameter {full[partial[0]]}). Gather them first: "
+            "`with deepspeed.zero.GatheredParameters(list(model.parameters())):`, or pass the consolidated state "
+            "dict (the Trainer does with stage3_gather_16bit_weights_on_model_save)."
+        )
