@@ -19,6 +19,8 @@ if __name__ == "__main__":
     started = time.monotonic()
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None:
-        sys.exit(f"DeepSpeed's accelerator {get_accelerator()._name!r} has no ShareMemCommBuilder (DS_ACCELERATOR=cpu?)")
+        sys.exit(
+            f"DeepSpeed's accelerator {get_accelerator()._name!r} has no ShareMemCommBuilder (DS_ACCELERATOR=cpu?)"
+        )
     module = builder.load()
     print(f"{builder.absolute_name()} ready in {time.monotonic() - started:.0f} s: {module.__file__}")

@@ -12,12 +12,17 @@ and saves it. Checked here against the same loads in this process without DeepSp
 * ``iter_original_state_dict`` outside ``GatheredParameters`` (partitions of shape ``(0,)``) is refused;
 * a patch whose parameters the checkpoint cannot fill is refused while loading (``ConversionError`` naming the
   module), as without DeepSpeed, instead of training ``__init__`` values;
+* routing recorded by one process on both sequences and replayed through a DeepSpeed engine on 2 ranks (each its
+  row, perturbed routers) gives the same logits, expert indices and, after 2 SGD steps, weights as one process
+  replaying the whole trace;
 * 2 SGD steps (each rank one sequence of 3 tokens) equal one process on the whole batch; the Trainer's save
   (``stage3_gather_16bit_weights_on_model_save``) writes exactly the checkpoint's keys, the trained values, and
   plain Transformers loads it without missing or unexpected keys.
 
 Measured 2026-12-04 (2 CPU processes): gathered weights max abs diff 0.0 in every case; training max abs diff
-against one process 1.6e-07 (bound 1e-5; the steps moved weights by up to 0.12).
+against one process 1.6e-07 (bound 1e-5; the steps moved weights by up to 0.12); routing replay on 2 ranks against one
+process: logits 3.0e-07, weights after 2 SGD steps 1.2e-07 (the perturbed routers would route 12 of 24
+token-layer expert sets otherwise).
 """
 
 from __future__ import annotations
@@ -46,15 +51,23 @@ LOADS = [
 ]
 REFUSED = ("llama", "qkv-without-rule")
 TRAINED = ("qwen2_moe", "qwen2_moe-full-example")
+REPLAYED = ("qwen2_moe", "qwen2_moe-linear-experts")
 
 
 def _launch(out: Path) -> str:
     """The torchrun launch, its results written under ``out``; returns what went wrong (empty when nothing did)."""
     import deepspeed  # noqa: F401 - the deepspeed extra is required (never skipped)
 
+    from modelpatch.routing import record_routing
+
     paths = worker.make_checkpoints(out / "checkpoints")
     (out / "checkpoints.json").write_text(json.dumps(paths))
+    model = worker.load(paths[REPLAYED[0]], REPLAYED[1])
+    with torch.no_grad(), record_routing(model) as trace:  # one process, both sequences
+        model(worker.replay_ids())
+    trace.save(out / "trace.pt")
     phases = [f"load:{name}:{how}" for name, how in [*LOADS, REFUSED]] + [f"train:{TRAINED[0]}:{TRAINED[1]}"]
+    phases.append(f"replay:{REPLAYED[0]}:{REPLAYED[1]}")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     command += [str(Path(__file__).with_name("zero3_dist_worker.py")), str(out / "checkpoints.json"), str(out)]
     command += [",".join(phases)]
@@ -155,3 +168,41 @@ def test_zero3_trainer_trains_like_one_process_and_saves_the_checkpoint_layout(z
     assert _max_diff(saved, trained) == 0.0
     _, info = AutoModelForCausalLM.from_pretrained(saved_dir, output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+
+
+@pytest.mark.slow
+def test_zero3_routing_replay_equals_one_process(zero3):
+    import training_parity as tp
+    from modelpatch.routing import RoutingTrace, record_routing
+    from routing_models import perturb_routers
+
+    out, paths, failed = zero3
+    assert not failed, failed
+    name, how = REPLAYED
+    ranks = [torch.load(out / f"replay-{name}-{how}.rank{r}.pt", weights_only=False) for r in (0, 1)]
+    trace = RoutingTrace.load(out / "trace.pt")  # recorded by one process on both rows, unperturbed routers
+
+    # one process: the perturbed model replaying the whole trace on both rows, the same SGD steps
+    model = worker.load(paths[name], how).train()
+    perturb_routers(model)
+    ids = worker.replay_ids()
+    with torch.no_grad(), record_routing(model) as natural:
+        model(ids)
+    # the perturbed routers route otherwise: replay is what makes the runs agree
+    assert sum(int((a != b).any(-1).sum()) for layer in trace.layers for a, b in zip(natural[layer], trace[layer]))
+    start = tp.original_state(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=worker.LEARNING_RATE)
+
+    def step(loss):
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    single = worker.replay_steps(model, step, trace, ids)
+    for rank, got in enumerate(ranks):
+        for mine, whole in zip(got["steps"], single):
+            assert mine["indices_equal"], rank  # the experts were called with this rank's row of the trace
+            assert (mine["logits"] - whole["logits"][rank : rank + 1]).abs().max().item() <= 1e-5, rank
+        assert abs(sum(r["steps"][-1]["loss"] for r in ranks) / 2 - single[-1]["loss"]) <= 1e-5
+        assert _max_diff(got["weights"], tp.original_state(model)) <= SGD_BOUND, rank
+    assert _max_diff(ranks[0]["weights"], start) > 100 * SGD_BOUND  # the steps moved the weights

@@ -13,7 +13,8 @@ ZeRO-3 loader (the normal path of a Trainer run).
 * ``train`` (at most one per process: accelerate allows one DeepSpeed ``Accelerator`` per process): the loaded model
   trains ``STEPS`` steps of SGD with ``transformers.Trainer`` (rows in order, each rank one sequence of ``TOKENS``
   tokens a step) and saves with ``stage3_gather_16bit_weights_on_model_save`` into ``OUT/train-<checkpoint>-<how>/``;
-  rank 0 writes ``OUT/train-<checkpoint>-<how>.pt``: the final weights in the checkpoint layout (gathered).
+  rank 0 writes ``OUT/train-<checkpoint>-<how>.pt``: the final weights in the checkpoint layout (gathered);
+* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`).
 
 :func:`load` (the same code in one process without DeepSpeed) is the reference the test compares with.
 """
@@ -195,6 +196,65 @@ def phase_train(paths: dict, out: str, name: str, recipe: str, args) -> None:
         torch.save(weights, os.path.join(out, f"train-{name}-{recipe}.pt"))
 
 
+def replay_ids() -> torch.Tensor:
+    """The batch of the replay phase: 2 sequences of ``TOKENS`` tokens, rank r's is row r."""
+    return torch.randint(3, 100, (2, TOKENS), generator=torch.Generator().manual_seed(2))
+
+
+def replay_steps(model, step, trace, ids, observer=None) -> list[dict]:
+    """``STEPS`` SGD steps of ``model`` replaying ``trace`` on ``ids``; ``step(loss)`` does backward and the step.
+    Returns per step the loss, the logits and whether the experts were called with the trace's indices."""
+    from modelpatch.routing import replay_routing
+    from routing_models import ExpertsObserver
+
+    steps = []
+    for _ in range(STEPS):
+        with ExpertsObserver(observer or model) as seen, replay_routing(observer or model, trace):
+            output = model(input_ids=ids, labels=ids)
+        step(output.loss)
+        steps.append(
+            {
+                "loss": output.loss.item(),
+                "logits": output.logits.detach().clone(),
+                "indices_equal": all(torch.equal(seen.indices(layer), trace[layer][0]) for layer in trace.layers)
+                if trace.num_sequences == 1
+                else None,
+            }
+        )
+    return steps
+
+
+def phase_replay(paths: dict, out: str, name: str, recipe: str, args) -> None:
+    """Routing replay under ZeRO-3: the trace one process recorded on :func:`replay_ids` (``OUT/trace.pt``, written
+    by the test), each rank replaying its row through a DeepSpeed engine (perturbed routers: natural routing would
+    differ) for ``STEPS`` SGD steps; rank r writes ``OUT/replay-<checkpoint>-<how>.rank<r>.pt`` (steps, and the final
+    weights in the checkpoint layout, gathered)."""
+    import deepspeed
+
+    from modelpatch import iter_original_state_dict
+    from modelpatch.routing import RoutingTrace
+    from routing_models import perturb_routers
+
+    rank = dist.get_rank()
+    model = load(paths[name], recipe).train()
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        perturb_routers(model)  # the same perturbation on every rank; rank 0's is kept
+    trace = RoutingTrace.load(os.path.join(out, "trace.pt")).select([rank])
+    config = {**ds_config(), "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    config.update(train_batch_size=dist.get_world_size(), gradient_clipping=0.0, zero_allow_untested_optimizer=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def step(loss):
+        engine.backward(loss)
+        engine.step()
+
+    steps = replay_steps(engine, step, trace, replay_ids()[rank : rank + 1], observer=model)
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        weights = {k: v.detach().float().clone() for k, v in iter_original_state_dict(model)}
+    torch.save({"steps": steps, "weights": weights}, os.path.join(out, f"replay-{name}-{recipe}.rank{rank}.pt"))
+
+
 def main(checkpoints: str, out: str, phases: str) -> None:
     torch.set_num_threads(1)
     with open(checkpoints) as fh:
@@ -215,7 +275,7 @@ def main(checkpoints: str, out: str, phases: str) -> None:
     )
     for phase in phases.split(","):
         kind, name, recipe = phase.split(":")
-        {"load": phase_load, "train": phase_train}[kind](paths, out, name, recipe, args)
+        {"load": phase_load, "train": phase_train, "replay": phase_replay}[kind](paths, out, name, recipe, args)
 
 
 if __name__ == "__main__":
