@@ -14,7 +14,8 @@ ZeRO-3 loader (the normal path of a Trainer run).
   trains ``STEPS`` steps of SGD with ``transformers.Trainer`` (rows in order, each rank one sequence of ``TOKENS``
   tokens a step) and saves with ``stage3_gather_16bit_weights_on_model_save`` into ``OUT/train-<checkpoint>-<how>/``;
   rank 0 writes ``OUT/train-<checkpoint>-<how>.pt``: the final weights in the checkpoint layout (gathered);
-* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`).
+* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`);
+* ``tp`` (run first, before DeepSpeed is switched on): ``from_pretrained(tp_plan="auto")`` (:func:`phase_tp`).
 
 :func:`load` (the same code in one process without DeepSpeed) is the reference the test compares with.
 """
@@ -255,10 +256,31 @@ def phase_replay(paths: dict, out: str, name: str, recipe: str, args) -> None:
     torch.save({"steps": steps, "weights": weights}, os.path.join(out, f"replay-{name}-{recipe}.rank{rank}.pt"))
 
 
+def phase_tp(paths: dict, out: str, name: str, recipe: str) -> None:
+    """``from_pretrained(..., tp_plan="auto")`` with the recipe (no DeepSpeed yet); rank 0 writes
+    ``OUT/tp-<checkpoint>-<how>.pt``: ``{"error": what it raised, or None}``."""
+    from transformers import AutoModelForCausalLM
+
+    from modelpatch.recipes import get_recipe
+
+    error = None
+    try:
+        with get_recipe(recipe).apply():
+            AutoModelForCausalLM.from_pretrained(paths[name], tp_plan="auto", attn_implementation="eager")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = f"{type(e).__name__}: {e}"
+    if dist.get_rank() == 0:
+        torch.save({"error": error}, os.path.join(out, f"tp-{name}-{recipe}.pt"))
+
+
 def main(checkpoints: str, out: str, phases: str) -> None:
     torch.set_num_threads(1)
     with open(checkpoints) as fh:
         paths = json.load(fh)
+    for phase in phases.split(","):  # tensor parallelism first: DeepSpeed is switched on below, for the process
+        kind, name, recipe = phase.split(":")
+        if kind == "tp":
+            phase_tp(paths, out, name, recipe)
     args = training_arguments(
         os.path.join(out, "trainer"),
         per_device_train_batch_size=1,
@@ -275,6 +297,8 @@ def main(checkpoints: str, out: str, phases: str) -> None:
     )
     for phase in phases.split(","):
         kind, name, recipe = phase.split(":")
+        if kind == "tp":
+            continue
         {"load": phase_load, "train": phase_train, "replay": phase_replay}[kind](paths, out, name, recipe, args)
 
 
