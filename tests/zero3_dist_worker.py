@@ -79,8 +79,9 @@ USER_CASES = ("none", "user-qkv-rule", "qkv-without-rule")
 
 
 def make_checkpoints(folder) -> dict[str, str]:
-    """tests/train_dist_worker.py's qwen2_moe and llama checkpoints, and a tiny mixtral (experts named
-    ``block_sparse_moe.experts.{e}.w1/w2/w3`` in the checkpoint) with distinct random experts."""
+    """tests/train_dist_worker.py's qwen2_moe and llama checkpoints, a tiny mixtral (experts named
+    ``block_sparse_moe.experts.{e}.w1/w2/w3`` in the checkpoint) and a tiny dots3_note_text, with distinct random
+    experts."""
     from pathlib import Path
 
     from transformers import MixtralForCausalLM
@@ -88,6 +89,7 @@ def make_checkpoints(folder) -> dict[str, str]:
     import linear_experts_support as les
     import train_dist_worker
     from helpers import tiny_mixtral_config
+    from routing_models import tiny_config
 
     paths = train_dist_worker.make_checkpoints(Path(folder))
     torch.manual_seed(0)
@@ -97,6 +99,14 @@ def make_checkpoints(folder) -> dict[str, str]:
             les._randomize(experts, torch.Generator().manual_seed(1))
     paths["mixtral"] = str(Path(folder) / "mixtral")
     mixtral.save_pretrained(paths["mixtral"])
+    # per-expert checkpoint keys that also are the per-expert model's keys, and a built-in expert fusion that no
+    # rule of the recipe replaces (Transformers' ZeRO-3 loader would send them to the fused target)
+    torch.manual_seed(0)
+    dots = les._build(tiny_config("dots3_note_text", **les._four_experts("dots3_note_text")))
+    for _, experts in les._decorated(dots):
+        les._randomize(experts, torch.Generator().manual_seed(1))
+    paths["dots3_note_text"] = str(Path(folder) / "dots3_note_text")
+    dots.save_pretrained(paths["dots3_note_text"])
     return paths
 
 

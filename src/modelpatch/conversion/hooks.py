@@ -80,6 +80,10 @@ def _load_zero3(model, state_dict, load_config=None):
     state = None
     if resolved is not None:
         state_dict, load_config, state = zero3.convert_checkpoint(model, state_dict, load_config, resolved)
+    elif load_config is not None and load_config.weight_mapping and built_by_modelpatch(model):
+        # built-in converters whose target layout a replacement removed (see zero3.convert_checkpoint)
+        mapping = transforms_in_force(load_config.weight_mapping, model.state_dict(keep_vars=True))
+        load_config = dataclasses.replace(load_config, weight_mapping=mapping)
     model_state = zero3.zero3_state_shapes(model)
     mapping = list(getattr(load_config, "weight_mapping", None) or []) if load_config is not None else []
     unexpected = zero3.unread_keys(model, list(state_dict), mapping, model_state)

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 from transformers import core_model_loading as _tcml
 
-from .compose import ResolvedRules, compose_builtins
+from .compose import ResolvedRules, compose_builtins, transforms_in_force
 from .errors import ConversionError
 from .loading import model_key, prepare, transformers_renamings
 from .state import ConversionState  # noqa: F401 - named in docstrings
@@ -79,15 +79,17 @@ def convert_checkpoint(model, state_dict: dict, load_config, resolved: ResolvedR
 
     Returns ``(converted, load_config, state)``: the state dict to hand to ``_load_state_dict_into_zero3_model``
     (converted keys eagerly converted, group by group, their sources released; other keys unchanged), the load
-    config with only the built-in transforms the user rules leave in place, and the :class:`ConversionState` to
+    config with only the built-in transforms the user rules leave in place and whose target layout the model has
+    (that loader sends every key a converter matches to the converter's target: a built-in expert fusion would
+    take the per-expert keys of per-expert Linears away from them), and the :class:`ConversionState` to
     bind to the model once loaded.
 
     Raises:
         ConversionError, ConversionShapeError: as :func:`.loading.prepare` (nothing loaded).
     """
     mapping = list(getattr(load_config, "weight_mapping", None) or []) if load_config is not None else []
-    builtins = compose_builtins(model, mapping, resolved)
     model_state = zero3_state_shapes(model)
+    builtins = transforms_in_force(compose_builtins(model, mapping, resolved), model_state)
     plan, dry, state = prepare(
         model, state_dict.items(), resolved, transformers_renamings(builtins), True, model_state=model_state
     )
