@@ -19,7 +19,8 @@ and saves it. Checked here against the same loads in this process without DeepSp
   replaying the whole trace;
 * 2 SGD steps (each rank one sequence of 3 tokens) equal one process on the whole batch; the Trainer's save
   (``stage3_gather_16bit_weights_on_model_save``) writes exactly the checkpoint's keys, the trained values, and
-  plain Transformers loads it without missing or unexpected keys.
+  plain Transformers loads it without missing or unexpected keys; a second launch resumes from the Trainer's
+  checkpoint after step 1 (DeepSpeed's engine checkpoint) to the uninterrupted run's weights, bit for bit.
 
 Measured 2026-12-04 (2 CPU processes): gathered weights max abs diff 0.0 in every case; training max abs diff
 against one process 1.6e-07 (bound 1e-5; the steps moved weights by up to 0.12); routing replay on 2 ranks against one
@@ -43,7 +44,7 @@ from filelock import FileLock
 import modelpatch
 import zero3_dist_worker as worker
 
-LAUNCH_TIMEOUT = 300  # seconds (measured 30-40 s once DeepSpeed's CPU op is built; building it: ~3 min on 2 cores)
+LAUNCH_TIMEOUT = 300  # seconds per launch (measured 25-40 s, the resume launch 20-30 s, once DeepSpeed's CPU op is built; building it: ~3 min on 2 cores)
 SGD_BOUND = 1e-5
 LOADS = [
     ("qwen2_moe", "qwen2_moe-linear-experts"),
@@ -72,6 +73,11 @@ def _launch(out: Path) -> str:
     phases = [f"load:{name}:{how}" for name, how in [*LOADS, REFUSED]] + [f"train:{TRAINED[0]}:{TRAINED[1]}"]
     phases.append(f"replay:{REPLAYED[0]}:{REPLAYED[1]}")
     phases.append(f"tp:{REPLAYED[0]}:{REPLAYED[1]}")
+    # a second launch resumes the Trainer run (accelerate allows one DeepSpeed Accelerator per process)
+    return _torchrun(out, phases) or _torchrun(out, [f"resume:{TRAINED[0]}:{TRAINED[1]}"])
+
+
+def _torchrun(out: Path, phases: list[str]) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     command += [str(Path(__file__).with_name("zero3_dist_worker.py")), str(out / "checkpoints.json"), str(out)]
     command += [",".join(phases)]
@@ -84,9 +90,9 @@ def _launch(out: Path) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        return f"torchrun killed after {LAUNCH_TIMEOUT} s:\n{stderr.decode()[-5000:]}"
+        return f"torchrun {phases} killed after {LAUNCH_TIMEOUT} s:\n{stderr.decode()[-5000:]}"
     if proc.returncode != 0:
-        return f"torchrun exit code {proc.returncode}:\n{stdout.decode()[-2000:]}{stderr.decode()[-6000:]}"
+        return f"torchrun {phases} exit code {proc.returncode}:\n{stdout.decode()[-2000:]}{stderr.decode()[-6000:]}"
     return ""
 
 
@@ -155,6 +161,11 @@ def test_zero3_trainer_trains_like_one_process_and_saves_the_checkpoint_layout(z
     assert not failed, failed
     name, how = TRAINED
     trained = torch.load(out / f"train-{name}-{how}.pt", weights_only=False)
+    resumed = torch.load(out / f"resume-{name}-{how}.pt", weights_only=False)
+    assert trained.pop("steps") == {"started_at": 0, "run": worker.STEPS, "global_step": worker.STEPS}
+    # resumed from checkpoint-1 (DeepSpeed's engine checkpoint) in new processes: the uninterrupted run, bit for bit
+    assert resumed.pop("steps") == {"started_at": 1, "run": worker.STEPS - 1, "global_step": worker.STEPS}
+    assert _max_diff(resumed, trained) == 0.0
 
     # one process, the unpatched model, the whole batch of each step (both ranks' rows), the same SGD
     torch.manual_seed(0)
@@ -176,6 +187,7 @@ def test_zero3_trainer_trains_like_one_process_and_saves_the_checkpoint_layout(z
     checkpoint = load_file(Path(paths[name]) / "model.safetensors")
     assert saved.keys() == checkpoint.keys()  # q/k/v and per-expert keys, not qkv_proj or fused experts
     assert _max_diff(saved, trained) == 0.0
+    assert load_file(out / "trainer" / "checkpoint-1" / "model.safetensors").keys() == checkpoint.keys()
     _, info = AutoModelForCausalLM.from_pretrained(saved_dir, output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
 

@@ -13,7 +13,11 @@ ZeRO-3 loader (the normal path of a Trainer run).
 * ``train`` (at most one per process: accelerate allows one DeepSpeed ``Accelerator`` per process): the loaded model
   trains ``STEPS`` steps of SGD with ``transformers.Trainer`` (rows in order, each rank one sequence of ``TOKENS``
   tokens a step) and saves with ``stage3_gather_16bit_weights_on_model_save`` into ``OUT/train-<checkpoint>-<how>/``;
-  rank 0 writes ``OUT/train-<checkpoint>-<how>.pt``: the final weights in the checkpoint layout (gathered);
+  rank 0 writes ``OUT/train-<checkpoint>-<how>.pt``: the final weights in the checkpoint layout (gathered), and
+  under ``"steps"`` the step it started at, the steps it ran and the final global step;
+  the Trainer checkpoints after each step into ``OUT/trainer/checkpoint-<step>``;
+* ``resume`` (in another launch, after ``train``): the same run resumed from ``OUT/trainer/checkpoint-1`` (a new
+  model loaded under ZeRO-3, DeepSpeed's own checkpoint of the engine); rank 0 writes ``OUT/resume-<checkpoint>-<how>.pt``;
 * ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`);
 * ``tp`` (run first, before DeepSpeed is switched on): ``from_pretrained(tp_plan="auto")`` (:func:`phase_tp`).
 
@@ -185,8 +189,8 @@ def phase_load(paths: dict, out: str, name: str, recipe: str, args) -> None:
         torch.save(result, os.path.join(out, f"load-{name}-{recipe}.pt"))
 
 
-def phase_train(paths: dict, out: str, name: str, recipe: str, args) -> None:
-    from transformers import Trainer
+def phase_train(paths: dict, out: str, name: str, recipe: str, args, resume: bool = False) -> None:
+    from transformers import Trainer, TrainerCallback
 
     from modelpatch import iter_original_state_dict
 
@@ -194,17 +198,31 @@ def phase_train(paths: dict, out: str, name: str, recipe: str, args) -> None:
         def _get_train_sampler(self, train_dataset=None):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
+    class Steps(TrainerCallback):
+        def __init__(self) -> None:
+            self.started_at, self.run = None, 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started_at = state.global_step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.run += 1
+
     model = load(paths[name], recipe).train()
-    trainer = InOrder(model=model, args=args, train_dataset=Tokens())
-    trainer.train()
-    trainer.save_model(os.path.join(out, f"train-{name}-{recipe}"))
+    steps = Steps()
+    trainer = InOrder(model=model, args=args, train_dataset=Tokens(), callbacks=[steps])
+    trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-1") if resume else None)
+    kind = "resume" if resume else "train"
+    if not resume:
+        trainer.save_model(os.path.join(out, f"train-{name}-{recipe}"))
     import deepspeed
 
     engine = trainer.model_wrapped
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         weights = {k: v.detach().float().clone() for k, v in iter_original_state_dict(engine.module)}
     if dist.get_rank() == 0:
-        torch.save(weights, os.path.join(out, f"train-{name}-{recipe}.pt"))
+        weights["steps"] = {"started_at": steps.started_at, "run": steps.run, "global_step": trainer.state.global_step}
+        torch.save(weights, os.path.join(out, f"{kind}-{name}-{recipe}.pt"))
 
 
 def replay_ids() -> torch.Tensor:
@@ -298,7 +316,8 @@ def main(checkpoints: str, out: str, phases: str) -> None:
         optim="sgd",
         lr_scheduler_type="constant",
         max_steps=STEPS,
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=1,
         logging_steps=100,
         seed=0,
         data_seed=0,
@@ -308,6 +327,9 @@ def main(checkpoints: str, out: str, phases: str) -> None:
     for phase in phases.split(","):
         kind, name, recipe = phase.split(":")
         if kind == "tp":
+            continue
+        if kind == "resume":
+            phase_train(paths, out, name, recipe, args, resume=True)
             continue
         {"load": phase_load, "train": phase_train, "replay": phase_replay}[kind](paths, out, name, recipe, args)
 
