@@ -3,7 +3,7 @@ model under ``deepspeed.zero.Init`` and loads it with Transformers' ZeRO-3 loade
 ``DS_ACCELERATOR=cpu``; DeepSpeed 0.19.8, the ``deepspeed`` extra).
 
 One ``torchrun --standalone --nproc_per_node 2`` launch of tests/zero3_dist_worker.py loads tiny checkpoints with
-the linear-experts recipes of qwen2_moe, mixtral and dots3_note_text, a user rule (fused QKV) and no patch, and a fused-QKV patch
+the linear-experts recipes of qwen2_moe, mixtral and dots3_note_text, the fused-QKV recipe, the full example, a user rule (fused QKV) and no patch, and a fused-QKV patch
 without its rule; then trains the full example (fused QKV + per-expert linear experts) with ``transformers.Trainer``
 and saves it. Checked here against the same loads in this process without DeepSpeed:
 
@@ -39,7 +39,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
 
 import modelpatch
 import zero3_dist_worker as worker
@@ -50,6 +49,8 @@ LOADS = [
     ("qwen2_moe", "qwen2_moe-linear-experts"),
     ("mixtral", "mixtral-linear-experts"),
     ("dots3_note_text", "dots3_note_text-linear-experts"),  # was refused: a built-in fusion took its expert keys
+    ("llama", "llama-fused-qkv"),
+    ("qwen2_moe", "qwen2_moe-full-example"),
     ("llama", "user-qkv-rule"),
     ("qwen2_moe", "none"),
 ]
@@ -96,19 +97,15 @@ def _torchrun(out: Path, phases: list[str]) -> str:
     return ""
 
 
-@pytest.fixture(scope="module")
-def zero3(tmp_path_factory) -> tuple[Path, dict, str]:
-    """``(out, checkpoint paths, what went wrong)``: one launch per test session (under pytest-xdist the workers
-    share it through a file lock, as tests/test_distributed_training.py does)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.getbasetemp().parent / "deepspeed-zero3"
-        out.mkdir(exist_ok=True)
-    else:
-        out = tmp_path_factory.mktemp("deepspeed-zero3")
-    with FileLock(f"{out}.lock"):
-        if not (out / "failed.txt").exists():
-            (out / "failed.txt").write_text(_launch(out))
-    return out, json.loads((out / "checkpoints.json").read_text()), (out / "failed.txt").read_text()
+@pytest.mark.slow
+def test_zero3_loads_trains_saves_resumes_and_replays_like_one_process(tmp_path):
+    """One test, so that under pytest-xdist one worker runs the launches while the other goes on with other tests."""
+    failed = _launch(tmp_path)
+    assert not failed, failed
+    zero3 = tmp_path, json.loads((tmp_path / "checkpoints.json").read_text())
+    _check_loads(zero3)
+    _check_training(zero3)
+    _check_replay(zero3)
 
 
 def _max_diff(got: dict, want: dict) -> float:
@@ -116,12 +113,11 @@ def _max_diff(got: dict, want: dict) -> float:
     return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
 
 
-@pytest.mark.slow
-def test_zero3_loads_equal_a_plain_load_and_refuse_what_they_cannot_fill(zero3):
+def _check_loads(zero3) -> None:
+    """Loads equal a plain load; what cannot be filled, exported or sharded is refused."""
     from modelpatch import iter_original_state_dict
 
-    out, paths, failed = zero3
-    assert not failed, failed
+    out, paths = zero3
     for name, how in LOADS:
         got = torch.load(out / f"load-{name}-{how}.pt", weights_only=False)
         assert got["error"] is None, (name, how, got["error"])
@@ -150,15 +146,14 @@ def test_zero3_loads_equal_a_plain_load_and_refuse_what_they_cannot_fill(zero3):
     assert "model.layers.0.self_attn (FusedQKVAttention replacing LlamaAttention): qkv_proj.weight" in refused["error"]
 
 
-@pytest.mark.slow
-def test_zero3_trainer_trains_like_one_process_and_saves_the_checkpoint_layout(zero3):
+def _check_training(zero3) -> None:
+    """The Trainer trains like one process, saves the checkpoint layout and resumes exactly."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     import training_parity as tp
 
-    out, paths, failed = zero3
-    assert not failed, failed
+    out, paths = zero3
     name, how = TRAINED
     trained = torch.load(out / f"train-{name}-{how}.pt", weights_only=False)
     resumed = torch.load(out / f"resume-{name}-{how}.pt", weights_only=False)
@@ -192,14 +187,13 @@ def test_zero3_trainer_trains_like_one_process_and_saves_the_checkpoint_layout(z
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
 
 
-@pytest.mark.slow
-def test_zero3_routing_replay_equals_one_process(zero3):
+def _check_replay(zero3) -> None:
+    """Routing recorded in one process, replayed on 2 ranks under ZeRO-3, equals one process replaying it."""
     import training_parity as tp
     from modelpatch.routing import RoutingTrace, record_routing
     from routing_models import perturb_routers
 
-    out, paths, failed = zero3
-    assert not failed, failed
+    out, paths = zero3
     name, how = REPLAYED
     ranks = [torch.load(out / f"replay-{name}-{how}.rank{r}.pt", weights_only=False) for r in (0, 1)]
     trace = RoutingTrace.load(out / "trace.pt")  # recorded by one process on both rows, unperturbed routers
