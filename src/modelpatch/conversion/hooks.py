@@ -116,7 +116,9 @@ def install() -> None:
     """
     with _lock:
         for name, wrapper in _WRAPPERS.items():
-            current = getattr(_mu, name)
+            current = getattr(_mu, name, None)
+            if current is None:  # not in this Transformers release (the ZeRO-3 loader is not in every 5.x)
+                continue
             if current is wrapper or (name in _originals and current is not _originals[name]):
                 continue
             _originals[name] = current
@@ -134,4 +136,4 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    return all(getattr(_mu, name) is wrapper for name, wrapper in _WRAPPERS.items())
+    return all(getattr(_mu, name) is wrapper for name, wrapper in _WRAPPERS.items() if hasattr(_mu, name))
