@@ -10,6 +10,7 @@ and saves it. Checked here against the same loads in this process without DeepSp
 * the gathered weights (model layout, and checkpoint layout through ``iter_original_state_dict``) equal a plain load
   exactly, and the patch and conversion reports are the same;
 * ``iter_original_state_dict`` outside ``GatheredParameters`` (partitions of shape ``(0,)``) is refused;
+* ``patch_model`` of a model loaded unpatched under ZeRO-3 is refused (``InstancePatchError``);
 * ``from_pretrained(tp_plan="auto")`` with a recipe is refused (``ModelpatchValueError`` naming ``tp_plan`` and
   the replaced modules) instead of sharding neighbours of unsharded replacements;
 * a patch whose parameters the checkpoint cannot fill is refused while loading (``ConversionError`` naming the
@@ -129,6 +130,9 @@ def _check_loads(zero3) -> None:
             assert got["conversion_report"] or "linear-experts" in how, (name, how)  # the user rule converted
         # outside GatheredParameters the parameters are partitions: exporting them is refused, not empty tensors
         assert got["ungathered"].startswith("ConversionError") and "ZeRO-3 partitions" in got["ungathered"], got
+    # patch_model on a partitioned model would move (0,)-shaped partitions: refused, naming a parameter
+    unpatched = torch.load(out / "load-qwen2_moe-none.pt", weights_only=False)["patch_model"]
+    assert unpatched.startswith("InstancePatchError") and "ZeRO-3 partitions ('model.embed_tokens.weight'" in unpatched
     # the experts recipe and the user rule changed the layout: the comparison is not of two unpatched models
     experts = torch.load(out / "load-qwen2_moe-qwen2_moe-linear-experts.pt", weights_only=False)["state"]
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in experts

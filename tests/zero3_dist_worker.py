@@ -9,7 +9,8 @@ ZeRO-3 loader (the normal path of a Trainer run).
 * ``load``: rank 0 writes ``OUT/load-<checkpoint>-<how>.pt``: ``{"state": the gathered model state dict,
   "original": the gathered checkpoint layout (``iter_original_state_dict`` under ``GatheredParameters``),
   "patch_report"/"conversion_report": the reports, "ungathered": what ``iter_original_state_dict`` raised outside
-  ``GatheredParameters``, "error": what the load raised, or None}``;
+  ``GatheredParameters``, "patch_model": what the linear-experts recipe's ``patch`` raised on the unpatched
+  qwen2_moe, "error": what the load raised, or None}``;
 * ``train`` (at most one per process: accelerate allows one DeepSpeed ``Accelerator`` per process): the loaded model
   trains ``STEPS`` steps of SGD with ``transformers.Trainer`` (rows in order, each rank one sequence of ``TOKENS``
   tokens a step) and saves with ``stage3_gather_16bit_weights_on_model_save`` into ``OUT/train-<checkpoint>-<how>/``;
@@ -177,7 +178,14 @@ def phase_load(paths: dict, out: str, name: str, recipe: str, args) -> None:
         model = load(paths[name], recipe)
         result["state"], result["original"] = gathered(model)
         result["patch_report"], result["conversion_report"] = reports(model)
-        result["ungathered"] = None
+        result["ungathered"] = result["patch_model"] = None
+        if recipe == "none" and name == "qwen2_moe":  # patching the partitioned model in place: refused
+            from modelpatch.recipes import get_recipe
+
+            try:
+                get_recipe("qwen2_moe-linear-experts").patch(model)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result["patch_model"] = f"{type(e).__name__}: {e}"
         try:  # outside GatheredParameters: partitions, refused
             dict(iter_original_state_dict(model))
         except Exception as e:  # noqa: BLE001 - reported to the test
