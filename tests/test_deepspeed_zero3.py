@@ -31,6 +31,7 @@ token-layer expert sets otherwise).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -62,7 +63,10 @@ REPLAYED = ("qwen2_moe", "qwen2_moe-linear-experts")
 
 def _launch(out: Path) -> str:
     """The torchrun launch, its results written under ``out``; returns what went wrong (empty when nothing did)."""
-    import deepspeed  # noqa: F401 - the deepspeed extra is required (never skipped)
+    # required, never skipped (the test extra installs it); not imported here: the workers import it
+    assert importlib.util.find_spec("deepspeed") is not None, (
+        "DeepSpeed is not installed: pip install -e '.[deepspeed]'"
+    )
 
     from modelpatch.routing import record_routing
 
