@@ -62,13 +62,21 @@ def unread_keys(model, keys, transforms: list, model_state: dict) -> set[str]:
     renamings = [t for t in transforms if isinstance(t, _tcml.WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, _tcml.WeightConverter)]
     prefix = model.base_model_prefix
+    # renaming records on the transforms what it saw (`_was_used`, read on save; a group renaming's `_active`):
+    # this look-ahead must leave them as the loader will find them
+    saved = [(t, {a: getattr(t, a) for a in ("_was_used", "_active") if hasattr(t, a)}) for t in transforms]
     unread = set()
-    for key in keys:
-        renamed, _ = _tcml.rename_source_key(
-            key, renamings, converters, base_model_prefix=prefix, meta_state_dict=model_state
-        )
-        if model_key(renamed, model_state, prefix) is None:
-            unread.add(key)
+    try:
+        for key in keys:
+            renamed, _ = _tcml.rename_source_key(
+                key, renamings, converters, base_model_prefix=prefix, meta_state_dict=model_state
+            )
+            if model_key(renamed, model_state, prefix) is None:
+                unread.add(key)
+    finally:
+        for transform, attributes in saved:
+            for name, value in attributes.items():
+                setattr(transform, name, value)
     return unread
 
 
