@@ -2,10 +2,11 @@
 model under ``deepspeed.zero.Init`` and loads it with Transformers' ZeRO-3 loader (2 CPU processes, gloo,
 ``DS_ACCELERATOR=cpu``; DeepSpeed 0.19.8, the ``deepspeed`` extra).
 
-One ``torchrun --standalone --nproc_per_node 2`` launch of tests/zero3_dist_worker.py loads tiny checkpoints with
-the linear-experts recipes of qwen2_moe, mixtral and dots3_note_text, the fused-QKV recipe, the full example, a user rule (fused QKV) and no patch, and a fused-QKV patch
-without its rule; then trains the full example (fused QKV + per-expert linear experts) with ``transformers.Trainer``
-and saves it. Checked here against the same loads in this process without DeepSpeed:
+A ``torchrun --standalone --nproc_per_node 2`` launch of tests/zero3_dist_worker.py loads tiny checkpoints with
+the linear-experts recipes of qwen2_moe, mixtral and dots3_note_text, the fused-QKV recipe, the full example, a
+user rule (fused QKV), no patch, and a fused-QKV patch without its rule; trains the full example (fused QKV +
+per-expert linear experts) with ``transformers.Trainer`` and saves it; replays routing; a second launch resumes the
+Trainer run. Checked here against the same work in this process without DeepSpeed:
 
 * the gathered weights (model layout, and checkpoint layout through ``iter_original_state_dict``) equal a plain load
   exactly, and the patch and conversion reports are the same;
@@ -24,9 +25,10 @@ and saves it. Checked here against the same loads in this process without DeepSp
   checkpoint after step 1 (DeepSpeed's engine checkpoint) to the uninterrupted run's weights, bit for bit.
 
 Measured 2026-12-04 (2 CPU processes): gathered weights max abs diff 0.0 in every case; training max abs diff
-against one process 1.6e-07 (bound 1e-5; the steps moved weights by up to 0.12); routing replay on 2 ranks against one
-process: logits 3.0e-07, weights after 2 SGD steps 1.2e-07 (the perturbed routers would route 12 of 24
-token-layer expert sets otherwise).
+against one process 1.6e-07 (bound 1e-5; the steps moved weights by up to 0.12); routing replay on 2 ranks against
+one process: logits 3.0e-07, weights after 2 SGD steps 1.2e-07 (the perturbed routers would route all 12
+token-layer expert sets otherwise); resume max abs diff 0.0. The test takes 35-80 s on 2 shared cores once
+DeepSpeed's CPU op is built (tests/deepspeed_warmup.py).
 """
 
 from __future__ import annotations
