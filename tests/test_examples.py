@@ -23,6 +23,7 @@ def test_there_are_examples():
         "compile_fused_qkv.py",
         "grpo_routing_replay.py",
         "quantize_moe.py",
+        "zero3_trainer_moe.py",
     }
 
 

@@ -353,6 +353,14 @@ def _refuse_wrappers(model: nn.Module) -> None:
             reasons.append(
                 f"'{path}' is a PEFT adapter layer (it has a base_layer): call patch_model before get_peft_model"
             )
+        partitioned = next((n for n, p in module.named_parameters(recurse=False) if hasattr(p, "ds_shape")), None)
+        if partitioned is not None:
+            name = f"{path}.{partitioned}" if path else partitioned
+            reasons.append(
+                f"its parameters are DeepSpeed ZeRO-3 partitions ('{name}' holds {tuple(module.get_parameter(partitioned).shape)} "
+                "of its full shape): load the model patched instead, under ZeRO-3 too (`with recipe.apply(): "
+                "from_pretrained(...)` after TrainingArguments(deepspeed=...))"
+            )
         if reasons:
             break
     if reasons:

@@ -1,10 +1,12 @@
 """The one place where modelpatch wraps Transformers functions.
 
-Two module-level names of ``transformers.modeling_utils`` are replaced by thin wrappers:
+Three module-level names of ``transformers.modeling_utils`` are replaced by thin wrappers:
 
 * ``convert_and_load_state_dict_in_model`` (called by ``from_pretrained`` with the lazily opened checkpoint): when
   user rules resolve for the model, the checkpoint dict is converted lazily by :mod:`.loading` and the remaining
   built-in rules are passed on to the original function, which still does all reading, dtype casting and placement;
+* ``_load_state_dict_into_zero3_model`` (called by ``from_pretrained`` instead of the first when DeepSpeed ZeRO-3 is
+  on, see :mod:`.zero3`): the checkpoint converted with the user rules before Transformers' ZeRO-3 loader reads it;
 * ``revert_weight_conversion`` (called by ``save_pretrained`` unless ``save_original_format=False``): a model that
   carries modelpatch rules, or for which rules are in effect, is written back in the original layout by
   :mod:`.saving`, the path :func:`~modelpatch.iter_original_state_dict` takes too: Transformers' own reverse run
@@ -28,12 +30,13 @@ import threading
 from transformers import modeling_utils as _mu
 
 from ..patching.scopes import active_scopes
+from . import zero3
 from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
 from .loading import convert_and_load
 from .quantized import check_prequantized_layers, quantizer_label, warn_fused_experts_left
 from .registry import set_hooks_installed
 from .saving import revert_to_original_layout
-from .state import get_state
+from .state import get_state, set_state
 from .unloaded import check_replacements_loaded
 
 __all__ = ["install", "uninstall", "installed"]
@@ -66,6 +69,31 @@ def _load(model, state_dict, load_config, disk_offload_index=None):
     return result
 
 
+def _load_zero3(model, state_dict, load_config=None):
+    """``_load_state_dict_into_zero3_model`` (``from_pretrained`` with DeepSpeed ZeRO-3 on, see :mod:`.zero3`): the
+    checkpoint converted with the model's user rules first, then the same check of replacement modules as
+    :func:`_load`."""
+    original = _originals["_load_state_dict_into_zero3_model"]
+    if getattr(model, "_hf_peft_config_loaded", False) and built_by_modelpatch(model):
+        return original(model, state_dict, load_config)  # an adapter in the model's own layout (see _load)
+    resolved = resolve_model_rules(model)
+    state = None
+    if resolved is not None:
+        state_dict, load_config, state = zero3.convert_checkpoint(model, state_dict, load_config, resolved)
+    elif load_config is not None and load_config.weight_mapping and built_by_modelpatch(model):
+        # built-in converters whose target layout a replacement removed (see zero3.convert_checkpoint)
+        mapping = transforms_in_force(load_config.weight_mapping, model.state_dict(keep_vars=True))
+        load_config = dataclasses.replace(load_config, weight_mapping=mapping)
+    model_state = zero3.zero3_state_shapes(model)
+    mapping = list(getattr(load_config, "weight_mapping", None) or []) if load_config is not None else []
+    unexpected = zero3.unread_keys(model, list(state_dict), mapping, model_state)
+    error_msgs, missing_keys = original(model, state_dict, load_config)
+    if state is not None:
+        set_state(model, state)
+    check_replacements_loaded(model, zero3.ZeroLoadInfo(set(missing_keys), unexpected))
+    return error_msgs, missing_keys
+
+
 def _revert(model, state_dict):
     if get_state(model) is None and resolve_model_rules(model) is None:
         # no rule of modelpatch's applies: Transformers' own function, as if modelpatch were not installed
@@ -73,7 +101,11 @@ def _revert(model, state_dict):
     return revert_to_original_layout(model, state_dict)
 
 
-_WRAPPERS = {"convert_and_load_state_dict_in_model": _load, "revert_weight_conversion": _revert}
+_WRAPPERS = {
+    "convert_and_load_state_dict_in_model": _load,
+    "revert_weight_conversion": _revert,
+    "_load_state_dict_into_zero3_model": _load_zero3,
+}
 
 
 def install() -> None:
@@ -84,7 +116,9 @@ def install() -> None:
     """
     with _lock:
         for name, wrapper in _WRAPPERS.items():
-            current = getattr(_mu, name)
+            current = getattr(_mu, name, None)
+            if current is None:  # not in this Transformers release (the ZeRO-3 loader is not in every 5.x)
+                continue
             if current is wrapper or (name in _originals and current is not _originals[name]):
                 continue
             _originals[name] = current
@@ -102,4 +136,4 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    return all(getattr(_mu, name) is wrapper for name, wrapper in _WRAPPERS.items())
+    return all(getattr(_mu, name) is wrapper for name, wrapper in _WRAPPERS.items() if hasattr(_mu, name))

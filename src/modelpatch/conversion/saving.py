@@ -32,6 +32,7 @@ from .reference import ReferenceShapes
 from .state import ConversionState, get_state
 from .streaming import OriginalLayoutIterator, iter_reverted, reversed_user_rules, transformers_conversions
 from .wrappers import unwrapped_names, unwrapped_state_dict, wrapper_bases
+from .zero3 import check_gathered
 
 logger = logging.get_logger("modelpatch.conversion")
 
@@ -96,7 +97,12 @@ def original_layout(model, state_dict: dict, *, state: ConversionState | None = 
 
 
 def revert_to_original_layout(model, state_dict: dict) -> dict:
-    """Wrapper body of ``revert_weight_conversion`` (see :mod:`.hooks`): every group of :func:`original_layout`."""
+    """Wrapper body of ``revert_weight_conversion`` (see :mod:`.hooks`): every group of :func:`original_layout`.
+
+    Raises:
+        ConversionError: see :func:`original_layout`; ``state_dict`` holds ZeRO-3 partitions
+            (:func:`.zero3.check_gathered`)."""
+    check_gathered(model, state_dict)
     return dict(original_layout(model, state_dict))
 
 
@@ -137,7 +143,8 @@ def iter_original_state_dict(model, state_dict: dict | None = None) -> OriginalL
     Raises:
         ModelpatchTypeError: ``model`` is not a ``PreTrainedModel``, or it has PEFT adapters loaded through
             Transformers (``model.load_adapter``), for which ``save_pretrained`` writes the adapter only.
-        ConversionError: a meta tensor (an offloaded parameter) in the state dict; a conversion rule cannot be
+        ConversionError: a meta tensor (an offloaded parameter) in the state dict; a ZeRO-3 partition (a
+            DeepSpeed ZeRO-3 model outside ``deepspeed.zero.GatheredParameters``); a conversion rule cannot be
             reversed (when called); an operation fails (while iterating).
     """
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -170,6 +177,7 @@ def iter_original_state_dict(model, state_dict: dict | None = None) -> OriginalL
             raise ConversionError(
                 f"'{key}' has no data (a meta tensor, e.g. an offloaded parameter); pass state_dict= with its data"
             )
+    check_gathered(model, state_dict)
     state_dict = remove_tied_weights_from_state_dict(state_dict, model)
     return original_layout(model, state_dict)
 

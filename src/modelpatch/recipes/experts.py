@@ -84,6 +84,7 @@ from ..conversion import (
     SwapDims,
 )
 from ..conversion.rules import as_modelpatch_rule
+from ..conversion.zero3 import tensor_shape
 from ..errors import ModelpatchError, ModelpatchValueError
 from .base import Recipe, RuleSpec
 
@@ -386,12 +387,13 @@ def _derive(ref: nn.Module, cls_name: str) -> dict[str, Any]:
             f"{cls_name}: parameters {sorted(found)}, expected exactly {sorted(expected)} (the fused experts "
             "tensors of its @use_experts_implementation flags)"
         )
-    up: torch.Tensor = getattr(ref, first)
-    down: torch.Tensor = ref.down_proj  # type: ignore[assignment]
+    # full shapes: under an open deepspeed.zero.Init (ZeRO-3) the reference is partitioned too, its parameters (0,)
+    up = tensor_shape(getattr(ref, first))
+    down = tensor_shape(ref.down_proj)  # type: ignore[arg-type]
     if flags["is_transposed"]:
-        num, hidden, intermediate = up.shape[0], up.shape[1], down.shape[1]
+        num, hidden, intermediate = up[0], up[1], down[1]
     else:
-        num, hidden, intermediate = up.shape[0], up.shape[2], down.shape[2]
+        num, hidden, intermediate = up[0], up[2], down[2]
     act = getattr(ref, "act_fn", None)
     if isinstance(act, nn.Module):
         if any(True for _ in act.parameters()) or any(True for _ in act.buffers()):
