@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from helpers import TINY
+from modelpatch.routing.sites import experts_count
 
 # Twelve representative MoE families, with the per-family config keys that make a tiny model exercise routing.
 REQUIRED_FAMILIES = [
@@ -139,6 +140,19 @@ _PER_FAMILY = {
     # a top-1 router (over the experts and a compute-free skip expert)
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=32),
     "dots3_note_vision_encoder": dict(adapter_in_dim=64, adapter_out_dim=64),
+    # 2 compute-free ("zero") experts beside the 8 routed ones (the default 256 would take nearly every route)
+    "longcat_flash": dict(zero_expert_num=2),
+    # one MoE layer (the default makes the first two dense); the indexer scores keys with at most the query heads
+    # of one key head (4 / 2)
+    "kolibri1_1": dict(
+        mlp_only_layers=[0],
+        index_num_heads=2,
+        index_topk=8,
+        index_pool_size=16,
+        index_compression=4,
+        index_num_local_tokens=4,
+        index_num_sink_tokens=1,
+    ),
 }
 
 # Keyword arguments passed as they are, whether or not the default config has them as fields: arguments its
@@ -205,12 +219,14 @@ class ExpertsObserver:
 
     def __init__(self, model: torch.nn.Module):
         self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.sizes: dict[int, int | None] = {}  # experts of each layer's experts module (None: not read)
         self._handles = []
         for name, module in model.named_modules():
             cls = type(module).__name__
             layer = re.search(r"\.(\d+)\.", f".{name}")  # index in the stack of decoder layers (or blocks)
             if cls.endswith("Experts") and not name.rsplit(".", 1)[-1].startswith("shared") and layer:
                 layer = int(layer.group(1))
+                self.sizes[layer] = experts_count(module)
                 self._handles.append(module.register_forward_pre_hook(self._hook(layer), with_kwargs=True))
 
     def _hook(self, layer):
@@ -233,6 +249,19 @@ class ExpertsObserver:
 
     def indices(self, layer: int, call: int = -1) -> torch.Tensor:
         return self.calls[layer][call][0]
+
+    def routes(self, layer: int, traced: torch.Tensor, call: int = -1) -> bool:
+        """Whether the experts of ``layer`` were called with the routes ``traced`` (tokens, top_k): the same experts
+        per token (in any order); a route to a compute-free expert (an id >= the experts module's count, e.g.
+        LongCat's zero experts) reaches the experts with weight 0, under whatever id the family maps it to."""
+        index, weights = self.calls[layer][call]
+        size = self.sizes.get(layer)
+        if index.shape != traced.shape:
+            return False
+        if size is None or not bool((traced >= size).any()):
+            return torch.equal(index.sort(dim=-1).values, traced.sort(dim=-1).values)
+        real = traced < size
+        return torch.equal(index[real], traced[real]) and bool((weights[~real] == 0).all())
 
     def close(self):
         for h in self._handles:
