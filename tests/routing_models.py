@@ -99,7 +99,12 @@ _PER_FAMILY = {
     # a hash-routed layer (experts looked up by token id), then a learned top-k one
     "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
     # attribute_map names n_group `num_expert_group`: with 8 groups of one expert its top-2 per group has no room
-    "bailing_hybrid": dict(num_expert_group=2, topk_group=1),
+    "bailing_hybrid": dict(
+        num_expert_group=2,
+        topk_group=1,
+        expert_swiglu_limit_list=[0.5, 0.5],
+        share_expert_swiglu_limit_list=[0.5, 0.5],
+    ),
     # the multimodal RoPE splits the rotary half (head_dim 16 * partial 0.5 / 2 = 4) into time, height, width
     "glm4v_moe_text": dict(
         rope_parameters={
@@ -134,7 +139,14 @@ _PER_FAMILY = {
     "qwen4_exp_text": dict(
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2
     ),
-    "step3p5": dict(mlp_layer_types=["dense", "sparse"], share_expert_dim=32, sliding_window=16),
+    # per-layer SwiGLU clipping on (routed and shared experts): the linear experts must clip as the fused ones do
+    "step3p5": dict(
+        mlp_layer_types=["dense", "sparse"],
+        share_expert_dim=32,
+        sliding_window=16,
+        swiglu_limits=[0.5, 0.5],
+        swiglu_limits_shared=[0.5, 0.5],
+    ),
     # its eager attention has no key/value head repetition: as many key/value heads as query heads
     "unlimited_ocr_text": dict(num_key_value_heads=4),
     # a top-1 router (over the experts and a compute-free skip expert)
