@@ -50,9 +50,16 @@ def _build_on_meta(config):
         return cls._from_config(config)
 
 
-def explain(recipe, *, model_dir: str | None = None, model_type: str | None = None) -> dict:
+def explain(
+    recipe, *, model_dir: str | None = None, model_type: str | None = None, fusion_config: dict | None = None
+) -> dict:
     """The dry run as a JSON-ready dict: ``replaced`` (key → {class: modules}), ``unmatched_keys``,
-    ``conflicts`` (messages), ``conversion_rules`` (rule → matched checkpoint keys, or ``null`` without a folder).
+    ``conflicts`` (messages), ``conversion_rules`` (rule → matched checkpoint keys, or ``null`` without a folder),
+    ``upstream_fusions`` (the modules Transformers itself fuses: ``fusion_config``, given here or in the config).
+
+    ``fusion_config`` (``{"patch_embeddings": True}``; default: the config's own) lists what a
+    ``from_pretrained(..., fusion_config=...)`` would fuse, and a class the recipe replaces that a fusion would
+    also replace among the ``conflicts``.
 
     Raises:
         CliError: missing folder / unknown model type / unreadable checkpoint files (a truncated safetensors file, an
@@ -64,6 +71,8 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
     from ..patching.provenance import provenance
 
     config = _config(model_dir, model_type)
+    if fusion_config is None:  # a checkpoint saved from a fused load keeps it in its config
+        fusion_config = getattr(config, "fusion_config", None)
     check_recipe_fits(recipe, config_names(config), f"'{model_dir}'" if model_dir else f"model type {model_type!r}")
     with recipe.apply() as scope:
         model = _build_on_meta(config)
@@ -75,7 +84,8 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
             classes = replaced.setdefault(found.key, {})
             name = f"{found.original.__name__} -> {found.replacement.__name__}"
             classes[name] = classes.get(name, 0) + 1
-    conflicts = find_conflicts(scope.resolved, list(scope.replaced_originals))
+    conflicts = [c.message() for c in find_conflicts(scope.resolved, list(scope.replaced_originals))]
+    fusions = _upstream_fusions(model, fusion_config, conflicts) if fusion_config else []
     keys = checkpoint_keys(model_dir) if model_dir is not None and _has_weights(model_dir) else None
     conversion = []
     for rule in rules:
@@ -87,10 +97,54 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
         "recipe": recipe.name,
         "replaced": replaced,
         "unmatched_keys": list(scope.unmatched_keys),
-        "conflicts": [c.message() for c in conflicts],
+        "conflicts": conflicts,
         "conversion_rules": conversion,
         "parameters_on_meta": sum(p.numel() for p in model.parameters()),
+        # what Transformers itself would replace in a load with fusion_config (given, or in the config)
+        "upstream_fusions": fusions,
     }
+
+
+def _upstream_fusions(model, fusion_config, conflicts: list[str]) -> list[dict[str, str]]:
+    """The modules Transformers' fusions of ``fusion_config`` would replace in ``model`` (read only: what
+    ``transformers.fusion_mapping`` discovers, one class at a time, by its specs' ``target_modules_patterns`` and
+    ``is_fusable``), in ``named_modules()`` order; a class that the recipe also replaces goes to ``conflicts``
+    (``from_pretrained`` refuses it, see :class:`~modelpatch.patching.upstream.FusionConflictError`)."""
+    import re
+
+    from ..patching.provenance import provenance
+
+    try:
+        import transformers.fusion_mapping as fm
+
+        names = fm._iter_enabled_fusions(fusion_config)
+    except ImportError:
+        raise CliError("this Transformers release has no fusion_config") from None
+    except ValueError as exc:
+        raise CliError(f"{exc} (Transformers has {sorted(fm._FUSION_REGISTRY)})") from None
+    out: list[dict[str, str]] = []
+    for name in names:
+        spec = fm._FUSION_REGISTRY[name]
+        pattern = re.compile("|".join(spec.target_modules_patterns)) if spec.target_modules_patterns else None
+        modules = [(path, m, provenance(m)) for path, m in model.named_modules()]
+        fusable = {
+            found.original if found is not None else type(m)
+            for path, m, found in modules
+            if (pattern is None or pattern.search(path)) and spec.is_fusable(m)
+        }
+        for path, m, found in modules:
+            original = found.original if found is not None else type(m)
+            if original not in fusable:
+                continue
+            if found is not None:
+                conflicts.append(
+                    f"{path}: {original.__name__} is replaced by the recipe ({found.replacement.__name__}) and fused "
+                    f"by Transformers' {name!r}: a load with fusion_config refuses it"
+                )
+                continue
+            out.append({"path": path, "original": original.__name__, "replacement": f"Fused{original.__name__}"})
+            out[-1]["fusion"] = name
+    return out
 
 
 def _has_weights(model_dir: str) -> bool:
@@ -114,6 +168,11 @@ def render(report: dict) -> str:
     if report["unmatched_keys"]:
         out.append(f"  keys that match nothing: {', '.join(report['unmatched_keys'])}")
     out.append(section("conflicts", "\n".join(f"  {c}" for c in report["conflicts"]) or "  none"))
+    if report["upstream_fusions"]:
+        fused = [[u["path"], f"{u['original']} -> {u['replacement']}", u["fusion"]] for u in report["upstream_fusions"]]
+        out.append(
+            section("fused by Transformers (fusion_config)", table(["module", "original -> fused", "fusion"], fused))
+        )
     conversion = [
         [r["rule"], "-" if r["checkpoint_keys"] is None else len(r["checkpoint_keys"])]
         for r in report["conversion_rules"]
@@ -140,13 +199,20 @@ def add_parser(subparsers) -> None:
     source.add_argument("--recipe", metavar="NAME")
     source.add_argument("--patches", metavar="MODULE_OR_FILE")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--fusion",
+        metavar="NAME",
+        action="append",
+        help="list what Transformers' fusion NAME would fuse, as fusion_config={NAME: True} (e.g. patch_embeddings)",
+    )
     add_trust_remote_code(parser)
     parser.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace) -> int:
     recipe = resolve_patches(args.recipe, args.patches)
-    report = explain(recipe, model_dir=args.model, model_type=args.model_type)
+    fusion = dict.fromkeys(args.fusion, True) if getattr(args, "fusion", None) else None
+    report = explain(recipe, model_dir=args.model, model_type=args.model_type, fusion_config=fusion)
     print(strict_json(report) if args.json else render(report))
     ok = all(report["replaced"].get(k) for k in recipe.patch_mapping) and not report["conflicts"]
     return 0 if ok else 1

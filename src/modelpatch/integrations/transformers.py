@@ -40,6 +40,7 @@ from ..outputs import install_registry_extension, patch_output_recorders
 from ..patching.provenance import BuildRecord, build_record, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
+from ..patching.upstream import fusion_conflicts_checked, in_fusion_discovery
 from ..undo import UndoStack
 from . import loaders as loaders_integration
 from . import peft as peft_integration
@@ -76,7 +77,7 @@ def _build_wrapper(name: str, original):
     def build(cls, *args, **kwargs):
         token = _LOADING.set(name == "from_pretrained")
         try:
-            with _RegistryBuild(f"{cls.__name__}.{label}"):
+            with fusion_conflicts_checked(), _RegistryBuild(f"{cls.__name__}.{label}"):
                 model = original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
             if isinstance(model, nn.Module):  # output_loading_info=True returns a tuple
                 restore_pending_initial_values(model)
@@ -92,7 +93,9 @@ def _build_wrapper(name: str, original):
 def _init_wrapper(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        scopes = active_scopes()
+        # Transformers' fusion discovery builds the model class on meta to find fusable classes: not a build of the
+        # scopes (they replace nothing there, see modelpatch.patching.upstream)
+        scopes = active_scopes() if not in_fusion_discovery() else ()
         if scopes:
             refresh_catalog()
         original(self, *args, **kwargs)
