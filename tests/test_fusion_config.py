@@ -21,9 +21,9 @@ import transformers.monkey_patching as tmp
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl import modeling_qwen2_vl as mq
 
-from modelpatch import apply_patches, patch_report
+from modelpatch import FusionConflictError, apply_patches, patch_report
 from modelpatch.errors import ModelpatchError
-from modelpatch.patching import FusionConflictError, UpstreamFusion
+from modelpatch.patching import UpstreamFusion
 from modelpatch.patching.upstream import fused_original, fusion_available
 
 FUSION = {"patch_embeddings": True}
