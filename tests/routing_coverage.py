@@ -64,9 +64,15 @@ def _cell(values: dict[str, str]) -> str:
 
 
 def _uncell(cell: str, releases: list[str]) -> dict[str, str]:
-    parts = dict(re.findall(r"(\d+(?:\.\d+)+): ([^;]*)(?:; |$)", cell))
-    if parts and set(parts) <= set(releases) and "; ".join(f"{r}: {v}" for r, v in parts.items()) == cell:
-        return parts
+    """Inverse of :func:`_cell` for the ``releases`` that have the row (a value may itself hold ``"; "``)."""
+    labels = "|".join(re.escape(r) for r in releases)
+    if labels and re.match(rf"(?:{labels}): ", cell):
+        parts: dict[str, str] = {}
+        for part in re.split(rf"; (?=(?:{labels}): )", cell):
+            release, _, value = part.partition(": ")
+            parts.setdefault(release, value)
+        if set(parts) == set(releases) and _cell(parts) == cell:
+            return parts
     return dict.fromkeys(releases, cell)
 
 

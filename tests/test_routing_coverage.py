@@ -128,6 +128,12 @@ def test_a_table_of_three_and_four_releases_round_trips_and_keeps_mixed_cells():
     d = {"z": (True, "ZRouter", "topk")}
     assert parse_table(with_release(table, "9.11.0", d)) == {"9.1.0": a, "9.2.0": b, "9.10.0": c, "9.11.0": d}
     assert lines[-1].endswith("1 of 2 on transformers 9.10.0.")
+    # a reason holding "; " (a ConversionError naming `pass Chunk(dim=0, sizes=[...])`) in a cell whose releases
+    # disagree: regenerating one column used to fold the other columns' reasons into each other
+    e = {"x": (False, "XGate", "ConversionError: Chunk(dim=0): cannot split; pass Chunk(dim=0, sizes=[...])")}
+    mixed = render_table({"9.1.0": a, "9.2.0": e})
+    assert parse_table(mixed) == {"9.1.0": a, "9.2.0": e}
+    assert parse_table(with_release(mixed, "9.1.0", b)) == {"9.1.0": b, "9.2.0": e}
 
 
 def test_readme_table_is_canonical_and_has_a_column_per_ci_release():

@@ -17,6 +17,7 @@ MEASURED_SUPPORTED: dict[str, tuple[str, ...]] = {
         "aria",
         "aria_text",
         "axk2",
+        "bailing_hybrid",
         "beam",
         "cohere2_moe",
         "deepseek_v2",
@@ -82,6 +83,7 @@ MEASURED_SUPPORTED: dict[str, tuple[str, ...]] = {
         "aria",
         "aria_text",
         "axk2",
+        "bailing_hybrid",
         "beam",
         "cohere2_moe",
         "deepseek_v2",
@@ -149,6 +151,7 @@ MEASURED_SUPPORTED: dict[str, tuple[str, ...]] = {
         "aria",
         "aria_text",
         "axk2",
+        "bailing_hybrid",
         "beam",
         "cohere2_moe",
         "deepseek_v2",
@@ -221,7 +224,6 @@ MEASURED_SUPPORTED: dict[str, tuple[str, ...]] = {
 MEASURED_UNSUPPORTED: dict[str, dict[str, str]] = {
     "5.23.0": {
         "axk1": "fused: save differs from the checkpoint loaded (['model.layers.1.mlp.post_mlp_layernorm.weight', 'model.layers.1.post_mlp_layernorm.weight'])",
-        "bailing_hybrid": "ConversionError: Chunk(dim=0): cannot determine the size of 'model.layers.0.self_attn.q_conv1d.weight' along dim 0 when splitting 'model.layers.0.self_attn.q_conv1d.weight' of shape (96, 1, 4); pass Chunk(dim=0, sizes",
         "deepseek_ocr2": "tiny model not buildable here: TypeError: 'NoneType' object is not subscriptable",
         "deepseek_v4": "fused: save differs from the checkpoint loaded (['model.layers.0.self_attn.compressor.kv_norm.weight', 'model.layers.0.self_attn.compressor.norm.weight'])",
         "diffusion_gemma": "the unpatched tiny model does not run here: TypeError: topk(): argument 'k' must be int, not NoneType",
@@ -242,7 +244,6 @@ MEASURED_UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "5.24.0": {
         "axk1": "fused: save differs from the checkpoint loaded (['model.layers.1.mlp.post_mlp_layernorm.weight', 'model.layers.1.post_mlp_layernorm.weight'])",
-        "bailing_hybrid": "ConversionError: Chunk(dim=0): cannot determine the size of 'model.layers.0.self_attn.q_conv1d.weight' along dim 0 when splitting 'model.layers.0.self_attn.q_conv1d.weight' of shape (96, 1, 4); pass Chunk(dim=0, sizes",
         "deepseek_ocr2": "tiny model not buildable here: TypeError: 'NoneType' object is not subscriptable",
         "deepseek_v4": "fused: save differs from the checkpoint loaded (['model.layers.0.self_attn.compressor.kv_norm.weight', 'model.layers.0.self_attn.compressor.norm.weight'])",
         "diffusion_gemma": "the unpatched tiny model does not run here: TypeError: topk(): argument 'k' must be int, not NoneType",
@@ -266,7 +267,6 @@ MEASURED_UNSUPPORTED: dict[str, dict[str, str]] = {
     },
     "5.25.0": {
         "axk1": "fused: save differs from the checkpoint loaded (['model.layers.1.mlp.post_mlp_layernorm.weight', 'model.layers.1.post_mlp_layernorm.weight'])",
-        "bailing_hybrid": "ConversionError: Chunk(dim=0): cannot determine the size of 'model.layers.0.self_attn.q_conv1d.weight' along dim 0 when splitting 'model.layers.0.self_attn.q_conv1d.weight' of shape (96, 1, 4); pass Chunk(dim=0, sizes",
         "deepseek_ocr2": "tiny model not buildable here: TypeError: 'NoneType' object is not subscriptable",
         "deepseek_v4": "fused: save differs from the checkpoint loaded (['model.layers.0.self_attn.compressor.kv_norm.weight', 'model.layers.0.self_attn.compressor.norm.weight'])",
         "diffusion_gemma": "the unpatched tiny model does not run here: TypeError: topk(): argument 'k' must be int, not NoneType",
