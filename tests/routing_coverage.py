@@ -64,9 +64,15 @@ def _cell(values: dict[str, str]) -> str:
 
 
 def _uncell(cell: str, releases: list[str]) -> dict[str, str]:
-    parts = dict(re.findall(r"(\d+(?:\.\d+)+): ([^;]*)(?:; |$)", cell))
-    if parts and set(parts) <= set(releases) and "; ".join(f"{r}: {v}" for r, v in parts.items()) == cell:
-        return parts
+    """Inverse of :func:`_cell` for the ``releases`` that have the row (a value may itself hold ``"; "``)."""
+    labels = "|".join(re.escape(r) for r in releases)
+    if labels and re.match(rf"(?:{labels}): ", cell):
+        parts: dict[str, str] = {}
+        for part in re.split(rf"; (?=(?:{labels}): )", cell):
+            release, _, value = part.partition(": ")
+            parts.setdefault(release, value)
+        if set(parts) == set(releases) and _cell(parts) == cell:
+            return parts
     return dict.fromkeys(releases, cell)
 
 
@@ -262,11 +268,6 @@ def _build(model_type: str):
     return model.eval()
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same experts per token (order within a token's top-k does not matter to the experts)."""
-    return a.shape == b.shape and torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values)
-
-
 def _why(e: BaseException, n: int = 200) -> str:
     first = (str(e).splitlines() or [""])[0]
     return f"{type(e).__name__}: {first[:n]}"
@@ -306,13 +307,13 @@ def check_family(model_type: str) -> tuple[bool, str, str]:
             if not seen.calls:
                 return False, router, "no experts module taking (hidden, top_k_index, top_k_weights) to observe"
             for layer in trace.layers:
-                if not _same(seen.indices(layer), torch.cat(trace[layer])):
+                if not seen.routes(layer, torch.cat(trace[layer])):
                     return False, router, f"layer {layer}: recorded indices differ from the experts' inputs"
             perturb_routers(model)
             with ExpertsObserver(model) as seen, replay_routing(model, trace):
                 model(**inputs)
             for layer in trace.layers:
-                if not _same(seen.indices(layer), torch.cat(trace[layer])):
+                if not seen.routes(layer, torch.cat(trace[layer])):
                     return False, router, f"layer {layer}: replayed experts differ from the trace"
     except Exception as e:  # noqa: BLE001
         return False, router, _why(e)

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from helpers import TINY
+from modelpatch.routing.sites import experts_count
 
 # Twelve representative MoE families, with the per-family config keys that make a tiny model exercise routing.
 REQUIRED_FAMILIES = [
@@ -98,7 +99,12 @@ _PER_FAMILY = {
     # a hash-routed layer (experts looked up by token id), then a learned top-k one
     "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
     # attribute_map names n_group `num_expert_group`: with 8 groups of one expert its top-2 per group has no room
-    "bailing_hybrid": dict(num_expert_group=2, topk_group=1),
+    "bailing_hybrid": dict(
+        num_expert_group=2,
+        topk_group=1,
+        expert_swiglu_limit_list=[0.5, 0.5],
+        share_expert_swiglu_limit_list=[0.5, 0.5],
+    ),
     # the multimodal RoPE splits the rotary half (head_dim 16 * partial 0.5 / 2 = 4) into time, height, width
     "glm4v_moe_text": dict(
         rope_parameters={
@@ -133,12 +139,32 @@ _PER_FAMILY = {
     "qwen4_exp_text": dict(
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2
     ),
-    "step3p5": dict(mlp_layer_types=["dense", "sparse"], share_expert_dim=32, sliding_window=16),
+    # per-layer SwiGLU clipping on (routed and shared experts): the linear experts must clip as the fused ones do
+    "step3p5": dict(
+        mlp_layer_types=["dense", "sparse"],
+        share_expert_dim=32,
+        sliding_window=16,
+        swiglu_limits=[0.5, 0.5],
+        swiglu_limits_shared=[0.5, 0.5],
+    ),
     # its eager attention has no key/value head repetition: as many key/value heads as query heads
     "unlimited_ocr_text": dict(num_key_value_heads=4),
     # a top-1 router (over the experts and a compute-free skip expert)
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=32),
     "dots3_note_vision_encoder": dict(adapter_in_dim=64, adapter_out_dim=64),
+    # 2 compute-free ("zero") experts beside the 8 routed ones (the default 256 would take nearly every route)
+    "longcat_flash": dict(zero_expert_num=2),
+    # one MoE layer (the default makes the first two dense); the indexer scores keys with at most the query heads
+    # of one key head (4 / 2)
+    "kolibri1_1": dict(
+        mlp_only_layers=[0],
+        index_num_heads=2,
+        index_topk=8,
+        index_pool_size=16,
+        index_compression=4,
+        index_num_local_tokens=4,
+        index_num_sink_tokens=1,
+    ),
 }
 
 # Keyword arguments passed as they are, whether or not the default config has them as fields: arguments its
@@ -205,12 +231,14 @@ class ExpertsObserver:
 
     def __init__(self, model: torch.nn.Module):
         self.calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.sizes: dict[int, int | None] = {}  # experts of each layer's experts module (None: not read)
         self._handles = []
         for name, module in model.named_modules():
             cls = type(module).__name__
             layer = re.search(r"\.(\d+)\.", f".{name}")  # index in the stack of decoder layers (or blocks)
             if cls.endswith("Experts") and not name.rsplit(".", 1)[-1].startswith("shared") and layer:
                 layer = int(layer.group(1))
+                self.sizes[layer] = experts_count(module)
                 self._handles.append(module.register_forward_pre_hook(self._hook(layer), with_kwargs=True))
 
     def _hook(self, layer):
@@ -233,6 +261,19 @@ class ExpertsObserver:
 
     def indices(self, layer: int, call: int = -1) -> torch.Tensor:
         return self.calls[layer][call][0]
+
+    def routes(self, layer: int, traced: torch.Tensor, call: int = -1) -> bool:
+        """Whether the experts of ``layer`` were called with the routes ``traced`` (tokens, top_k): the same experts
+        per token (in any order); a route to a compute-free expert (an id >= the experts module's count, e.g.
+        LongCat's zero experts) reaches the experts with weight 0, under whatever id the family maps it to."""
+        index, weights = self.calls[layer][call]
+        size = self.sizes.get(layer)
+        if index.shape != traced.shape:
+            return False
+        if size is None or not bool((traced >= size).any()):
+            return torch.equal(index.sort(dim=-1).values, traced.sort(dim=-1).values)
+        real = traced < size
+        return torch.equal(index[real], traced[real]) and bool((weights[~real] == 0).all())
 
     def close(self):
         for h in self._handles:

@@ -149,3 +149,37 @@ def test_built_from_config_saves_what_plain_transformers_loads_for_fused_only_fa
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     with torch.no_grad():
         assert torch.equal(plain(IDS).logits, built(IDS).logits)
+
+
+def test_a_rule_after_renamings_saves_its_pieces_with_the_sizes_it_loaded():
+    """Ling (bailing_hybrid): Transformers renames `.attention.` to `.self_attn.`, then concatenates the q/k/v
+    convolution kernels; on save the concatenation runs backwards before the renaming is undone, and the shapes
+    recorded at load were keyed by the checkpoint's `.attention.` names only, so the save refused to split
+    (measured "no" on 5.23, 5.24, 5.25). Its SwiGLU limits are on (0.5) in the tiny config."""
+    import linear_experts_support as support
+
+    assert support.check("bailing_hybrid", "bailing_hybrid") == (
+        True,
+        "BailingHybridExperts",
+        "gate_proj/up_proj/down_proj",
+    )
+
+
+def test_step3p5_experts_clip_like_the_fused_ones_where_transformers_decorates_them():
+    """5.25 decorates Step-3.5's experts; their SwiGLU limit is None on unclipped layers, an attribute the per-expert
+    modules lacked (AttributeError: 'ExpertMLP' object has no attribute 'limit')."""
+    import linear_experts_support as support
+
+    try:
+        family = experts_family("step3p5")
+    except UnsupportedExpertsError:  # 5.23 / 5.24: Step3p7Experts is not decorated
+        assert transformers_release() < (5, 25)
+        return
+    assert family.original == "Step3p7Experts"
+    assert support.check("step3p5", "step3p5") == (True, "Step3p7Experts", "gate_proj/up_proj/down_proj")
+
+
+def transformers_release() -> tuple[int, ...]:
+    import transformers
+
+    return tuple(int(p) for p in transformers.__version__.split(".")[:2])

@@ -111,6 +111,31 @@ def test_table_keeps_one_column_per_release_and_regenerates_only_one():
     assert parse_table(with_release(table, "9.11.0", remeasured)) == {"9.9.0": old, "9.10.0": new, "9.11.0": remeasured}
 
 
+def test_a_table_of_three_and_four_releases_round_trips_and_keeps_mixed_cells():
+    # a cell whose releases disagree names each release; three releases where two agree, and a fourth added
+    a = {"x": (True, "XRouter", "topk"), "y": (False, "-", "ValueError: a")}
+    b = {"x": (True, "XRouter", "topk"), "y": (True, "YRouter", "topk")}
+    c = {"x": (False, "XGate", "RuntimeError: c"), "z": (True, "ZRouter", "topk")}
+    table = render_table({"9.1.0": a, "9.2.0": b, "9.10.0": c})
+    lines = table.splitlines()
+    assert lines[1] == "| model type | router class | 9.1.0 | 9.2.0 | 9.10.0 | kind / reason |"
+    assert lines[3] == (
+        "| `x` | 9.1.0: XRouter; 9.2.0: XRouter; 9.10.0: XGate | yes | yes | no | "
+        "9.1.0: topk; 9.2.0: topk; 9.10.0: RuntimeError: c |"
+    )
+    assert lines[5] == f"| `z` | ZRouter | {ABSENT} | {ABSENT} | yes | topk |"
+    assert parse_table(table) == {"9.1.0": a, "9.2.0": b, "9.10.0": c}
+    d = {"z": (True, "ZRouter", "topk")}
+    assert parse_table(with_release(table, "9.11.0", d)) == {"9.1.0": a, "9.2.0": b, "9.10.0": c, "9.11.0": d}
+    assert lines[-1].endswith("1 of 2 on transformers 9.10.0.")
+    # a reason holding "; " (a ConversionError naming `pass Chunk(dim=0, sizes=[...])`) in a cell whose releases
+    # disagree: regenerating one column used to fold the other columns' reasons into each other
+    e = {"x": (False, "XGate", "ConversionError: Chunk(dim=0): cannot split; pass Chunk(dim=0, sizes=[...])")}
+    mixed = render_table({"9.1.0": a, "9.2.0": e})
+    assert parse_table(mixed) == {"9.1.0": a, "9.2.0": e}
+    assert parse_table(with_release(mixed, "9.1.0", b)) == {"9.1.0": b, "9.2.0": e}
+
+
 def test_readme_table_is_canonical_and_has_a_column_per_ci_release():
     # the check on each release reads its column of the README rows: a row format the parser misses would make it
     # vacuous, so the parsed table must render back to the README text exactly

@@ -453,3 +453,61 @@ def test_docstrings_cite_nothing_a_reader_cannot_open():
 def test_routing_errors_are_modelpatch_errors_and_keep_their_builtin_base(error, builtin):
     assert issubclass(error, ModelpatchError) and issubclass(error, builtin)
     assert error.__module__ == "modelpatch.routing.errors"
+
+
+# -- discovery by structure: a router is what computes a top-k over its experts' scores -------------------------
+
+
+class _Selector(torch.nn.Module):
+    """A router with none of a router's names: no *Router class name, no num_experts / top_k attributes, its
+    projection in ``scorer.weight``; Qwen3-MoE's math (softmax, top-k; the tiny config does not renormalise)."""
+
+    def __init__(self, weight: torch.Tensor, picks: int):
+        super().__init__()
+        self.scorer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.scorer.weight.copy_(weight)
+        self.picks = picks
+
+    def forward(self, hidden_states):
+        logits = self.scorer(hidden_states)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        values, indices = torch.topk(probs, self.picks, dim=-1)
+        return logits, values.to(logits.dtype), indices
+
+
+def test_a_router_without_a_routers_names_is_found_by_what_it_computes():
+    from routing_models import ExpertsObserver
+
+    model = _qwen()
+    reference = model(_IDS).logits
+    for layer in model.model.layers:
+        layer.mlp.gate = _Selector(layer.mlp.gate.weight.detach(), picks=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sites, stack, layers = find_router_sites(model)
+    assert [(s.name, type(s.module), s.num_experts, s.top_k) for s in sites] == [
+        (f"model.layers.{i}.mlp.gate", _Selector, 8, 2) for i in range(2)
+    ]
+    assert (stack, layers, sites[0].kind.name) == ("model.layers", 2, "topk")
+    # the probe ran on the meta device: every tensor as it was
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with torch.no_grad():
+        with ExpertsObserver(model) as seen, record_routing(model) as trace:
+            logits = model(_IDS).logits
+        assert torch.equal(logits, reference)  # same router math under another name
+        for layer in (0, 1):
+            assert torch.equal(seen.indices(layer), torch.cat(trace[layer]))
+        for layer in model.model.layers:  # other routes without replay
+            layer.mlp.gate.scorer.weight.add_(torch.randn(layer.mlp.gate.scorer.weight.shape) * 2)
+        with ExpertsObserver(model) as seen, replay_routing(model, trace):
+            model(_IDS)
+        for layer in (0, 1):
+            assert torch.equal(seen.indices(layer), torch.cat(trace[layer]))
+
+
+def test_a_module_beside_the_experts_without_a_top_k_is_not_a_router():
+    model = _qwen()
+    for layer in model.model.layers:  # a projection with one row per expert, but no choice of experts
+        layer.mlp.gate = torch.nn.Linear(64, 8, bias=False)
+    with pytest.raises(RoutingDiscoveryError, match="has no top-k router module"):
+        find_router_sites(model)

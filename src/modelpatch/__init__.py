@@ -60,6 +60,7 @@ from .patching.registry import (
 )
 from .patching.report import PatchReport, PatchRow, patch_report
 from .patching.scopes import PatchScope, UnmatchedPatchKeyError
+from .patching.upstream import FusionConflictError
 
 _install()
 
@@ -82,6 +83,7 @@ __all__ = [
     "ModelpatchError",
     "PatchScope",
     "UnmatchedPatchKeyError",
+    "FusionConflictError",
     "patch_output_recorders",
     "register_output_recorder",
     "unregister_output_recorder",

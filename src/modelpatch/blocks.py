@@ -58,6 +58,11 @@ def apply_patches(
 
     Only the calling thread or asyncio task sees the replacements; on exit (normal, exception, or out
     of order) nothing remains to undo. Modules built inside the block keep their replacements.
+
+    The call of Transformers 5.25's ``transformers.monkey_patching.apply_patches(mapping=None)`` works the same here
+    (a mapping used instead of the registry, ``None`` for the registry, ``{}`` a no-op, exact names before
+    patterns, patterns matched with :func:`re.search`, usable as a decorator), with one difference on purpose: a key
+    that is a Python identifier is an exact class name only (see :mod:`modelpatch.patching.registry`).
     """
     resolved = registered_patch_mapping() if mapping is None else build_patch_mapping(mapping)
     companions: tuple[Callable[[], AbstractContextManager[object]], ...] = ()

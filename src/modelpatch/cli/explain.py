@@ -43,13 +43,20 @@ def _config(model_dir: str | None, model_type: str | None):
         raise CliError(f"unknown model type '{model_type}'") from None
 
 
-def explain(recipe, *, model_dir: str | None = None, model_type: str | None = None) -> dict:
+def explain(
+    recipe, *, model_dir: str | None = None, model_type: str | None = None, fusion_config: dict | None = None
+) -> dict:
     """The dry run as a JSON-ready dict: ``replaced`` (key → {class: modules}), ``unmatched_keys``,
     ``conflicts`` (messages), ``conversion_rules`` (the rules in force for the model and its sub-models, each with
     the name it is registered under, ``registered_as``, and the checkpoint keys it matches, or ``null`` without a
-    folder), and ``problems``: ``{check: [phrase]}``, what ``verify``'s checks of those names would fail on, in its
+    folder), ``upstream_fusions`` (the modules Transformers itself fuses: ``fusion_config``, given here or in the
+    config), and ``problems``: ``{check: [phrase]}``, what ``verify``'s checks of those names would fail on, in its
     words (:func:`.plan.problem_words`; with a folder, from the safetensors headers: shapes the checkpoint cannot
     fill, parameters left at their initial values, keys not taken, rules that match no key).
+
+    ``fusion_config`` (``{"patch_embeddings": True}``; default: the config's own) lists what a
+    ``from_pretrained(..., fusion_config=...)`` would fuse, and a class the recipe replaces that a fusion would
+    also replace among the ``conflicts``.
 
     Raises:
         CliError: missing folder / unknown model type / unreadable checkpoint files (a truncated safetensors file, an
@@ -60,6 +67,8 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
     from ..patching.provenance import provenance
 
     config = _config(model_dir, model_type)
+    if fusion_config is None:  # a checkpoint saved from a fused load keeps it in its config
+        fusion_config = getattr(config, "fusion_config", None)
     check_recipe_fits(recipe, config_names(config), f"'{model_dir}'" if model_dir else f"model type {model_type!r}")
     model, findings = static_findings(recipe, config, model_dir)
     replaced: dict[str, dict[str, int]] = {key: {} for key in recipe.patch_mapping}
@@ -69,6 +78,8 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
             classes = replaced.setdefault(found.key, {})
             name = f"{found.original.__name__} -> {found.replacement.__name__}"
             classes[name] = classes.get(name, 0) + 1
+    # a class both replaced and fused by Transformers is a conflict: verify's load would refuse it
+    fusions = _upstream_fusions(model, fusion_config, findings.conflicts) if fusion_config and model is not None else []
     keys = checkpoint_keys(model_dir) if model_dir is not None and has_weights(model_dir) else None
     resolved = _resolve(model, None)[0] if model is not None else None
     conversion = []
@@ -93,7 +104,51 @@ def explain(recipe, *, model_dir: str | None = None, model_type: str | None = No
         "unexpected_keys": findings.unexpected,
         "rules_that_matched_nothing": findings.unfired,
         "parameters_on_meta": sum(p.numel() for p in model.parameters()) if model is not None else 0,
+        # what Transformers itself would replace in a load with fusion_config (given, or in the config)
+        "upstream_fusions": fusions,
     }
+
+
+def _upstream_fusions(model, fusion_config, conflicts: list[str]) -> list[dict[str, str]]:
+    """The modules Transformers' fusions of ``fusion_config`` would replace in ``model`` (read only: what
+    ``transformers.fusion_mapping`` discovers, one class at a time, by its specs' ``target_modules_patterns`` and
+    ``is_fusable``), in ``named_modules()`` order; a class that the recipe also replaces goes to ``conflicts``
+    (``from_pretrained`` refuses it, see :class:`~modelpatch.patching.upstream.FusionConflictError`)."""
+    import re
+
+    from ..patching.provenance import provenance
+
+    try:
+        import transformers.fusion_mapping as fm
+
+        names = fm._iter_enabled_fusions(fusion_config)
+    except ImportError:
+        raise CliError("this Transformers release has no fusion_config") from None
+    except ValueError as exc:
+        raise CliError(f"{exc} (Transformers has {sorted(fm._FUSION_REGISTRY)})") from None
+    out: list[dict[str, str]] = []
+    for name in names:
+        spec = fm._FUSION_REGISTRY[name]
+        pattern = re.compile("|".join(spec.target_modules_patterns)) if spec.target_modules_patterns else None
+        modules = [(path, m, provenance(m)) for path, m in model.named_modules()]
+        fusable = {
+            found.original if found is not None else type(m)
+            for path, m, found in modules
+            if (pattern is None or pattern.search(path)) and spec.is_fusable(m)
+        }
+        for path, m, found in modules:
+            original = found.original if found is not None else type(m)
+            if original not in fusable:
+                continue
+            if found is not None:
+                conflicts.append(
+                    f"{path}: {original.__name__} is replaced by the recipe ({found.replacement.__name__}) and fused "
+                    f"by Transformers' {name!r}: a load with fusion_config refuses it"
+                )
+                continue
+            out.append({"path": path, "original": original.__name__, "replacement": f"Fused{original.__name__}"})
+            out[-1]["fusion"] = name
+    return out
 
 
 def render(report: dict) -> str:
@@ -111,6 +166,11 @@ def render(report: dict) -> str:
     if report["unmatched_keys"]:
         out.append(f"  keys that match nothing: {', '.join(report['unmatched_keys'])}")
     out.append(section("conflicts", "\n".join(f"  {c}" for c in report["conflicts"]) or "  none"))
+    if report["upstream_fusions"]:
+        fused = [[u["path"], f"{u['original']} -> {u['replacement']}", u["fusion"]] for u in report["upstream_fusions"]]
+        out.append(
+            section("fused by Transformers (fusion_config)", table(["module", "original -> fused", "fusion"], fused))
+        )
     conversion = [
         [
             r["registered_as"] or "transformers",
@@ -143,12 +203,19 @@ def add_parser(subparsers) -> None:
     source.add_argument("--recipe", metavar="NAME")
     source.add_argument("--patches", metavar="MODULE_OR_FILE")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--fusion",
+        metavar="NAME",
+        action="append",
+        help="list what Transformers' fusion NAME would fuse, as fusion_config={NAME: True} (e.g. patch_embeddings)",
+    )
     add_trust_remote_code(parser)
     parser.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace) -> int:
     recipe = resolve_patches(args.recipe, args.patches)
-    report = explain(recipe, model_dir=args.model, model_type=args.model_type)
+    fusion = dict.fromkeys(args.fusion, True) if getattr(args, "fusion", None) else None
+    report = explain(recipe, model_dir=args.model, model_type=args.model_type, fusion_config=fusion)
     print(strict_json(report) if args.json else render(report))
     return EXIT_FAILED_CHECK if any(report["problems"].values()) else 0

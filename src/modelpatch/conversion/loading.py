@@ -135,6 +135,11 @@ def prepare(
         if tuple(shape) != model_shapes[key]:
             raise ConversionShapeError(key, shape, model_shapes[key], repr(group.rule))
     recorded = {k: shape_of(o) for g in plan.groups.values() for items_ in g.sources.values() for k, o in items_}
+    # also under the name each rule matched (renamed first, e.g. Ling's `.attention.` -> `.self_attn.`): on save the
+    # rule runs backwards before the renamings are undone and sizes its pieces by those names
+    for group in plan.groups.values():
+        for key, name in group.matched_names.items():
+            recorded.setdefault(name, recorded[key])
     # reversed on save: the rules that fired, and those whose layout the model has although the checkpoint was
     # already in it (e.g. written by `modelpatch convert`): the model still saves the original layout
     fitting = rules_fitting_model(model, resolved, model_shapes)

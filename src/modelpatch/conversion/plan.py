@@ -103,6 +103,8 @@ class _Group:
     prefix: str
     suffix: str
     sources: dict = field(default_factory=lambda: defaultdict(list))
+    # checkpoint key -> the name the rule matched (after the renamings that ran before it), where they differ
+    matched_names: dict = field(default_factory=dict)
 
     def source_keys(self) -> tuple[str, ...]:
         """Checkpoint keys of the group, in the rule's source-pattern order."""
@@ -450,6 +452,8 @@ def build_plan(
                     match.renamed_key, _Group(match.renamed_key, rule, match.prefix, match.suffix)
                 )
                 group.sources[match.source_pattern].append((key, obj))
+                if new_key != key:
+                    group.matched_names[key] = new_key
                 break
         else:
             if reverse:

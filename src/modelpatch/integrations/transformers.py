@@ -41,6 +41,7 @@ from ..outputs import install_registry_extension, patch_output_recorders
 from ..patching.provenance import BuildRecord, build_record, provenance, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
+from ..patching.upstream import fusion_conflicts_checked, in_fusion_discovery
 from ..undo import UndoStack
 from . import loaders as loaders_integration
 from . import peft as peft_integration
@@ -79,7 +80,7 @@ def _build_wrapper(name: str, original):
         token = _LOADING.set(name == "from_pretrained")
         tp_token = _TP_PLAN.set(kwargs.get("tp_plan") if name == "from_pretrained" else None)
         try:
-            with _RegistryBuild(f"{cls.__name__}.{label}"):
+            with fusion_conflicts_checked(), _RegistryBuild(f"{cls.__name__}.{label}"):
                 model = original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
             if isinstance(model, nn.Module):  # output_loading_info=True returns a tuple
                 restore_pending_initial_values(model)
@@ -96,7 +97,9 @@ def _build_wrapper(name: str, original):
 def _init_wrapper(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        scopes = active_scopes()
+        # Transformers' fusion discovery builds the model class on meta to find fusable classes: not a build of the
+        # scopes (they replace nothing there, see modelpatch.patching.upstream)
+        scopes = active_scopes() if not in_fusion_discovery() else ()
         if scopes:
             refresh_catalog()
         original(self, *args, **kwargs)

@@ -5,6 +5,7 @@ Modules, bottom to top (each imports only those above it in this list, and nothi
 
 ``registry``      validated patch mappings, key resolution, the process-wide registry
 ``catalog``       which classes may be replaced (``nn.Module`` classes of Transformers' modeling modules)
+``upstream``      what Transformers itself replaces while it builds a model (the fusions of ``fusion_config``)
 ``interception``  the reference-counted ``__init__`` hook through which an original builds its replacement
 ``provenance``    what modelpatch remembers on the instances it builds (provenance, build record)
 ``conflicts``     container/inner conflicts (a pattern replacing ``BertAttention`` and ``BertSelfAttention``)
@@ -23,8 +24,12 @@ from .registry import (
 )
 from .report import PatchReport, PatchRow, patch_report
 from .scopes import PatchScope, UnmatchedPatchKeyError
+from .upstream import FusionConflictError, UpstreamFusion, upstream_fusions
 
 __all__ = [
+    "FusionConflictError",
+    "UpstreamFusion",
+    "upstream_fusions",
     "PatchReport",
     "PatchRow",
     "PatchScope",

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import ModelpatchTypeError
 from ..undo import UndoStack
+from .upstream import is_upstream_fused, record_fusion_conflict
 
 __all__ = ["install_hook", "uninstall_hook", "hooked_classes", "unhooked_init"]
 
@@ -75,6 +76,12 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                     _BUILDING.reset(token)
                 on_built(self, args, kwargs)
                 return
+        elif type(self) is not target and target not in _BUILDING.get() and is_upstream_fused(type(self)):
+            # Transformers' fusion (fusion_config) builds its Fused<target> subclass in target's place: a scope
+            # replacing target would be silently lost; the running build raises it when it ends
+            found = lookup(target)
+            if found is not None:
+                record_fusion_conflict(target, found[0], type(self))
         original_init(self, *args, **kwargs)
 
     __init__._modelpatch_hook = True  # type: ignore[attr-defined]

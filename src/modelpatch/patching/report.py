@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from .conflicts import Conflict
 from .provenance import build_record, provenance
+from .upstream import UpstreamFusion, upstream_fusions
 
 __all__ = ["PatchRow", "PatchReport", "patch_report", "add_conversion_reader"]
 
@@ -33,6 +34,8 @@ class PatchReport:
     ``unmatched_keys`` name no class that exists (typos); ``not_applicable_keys`` name classes that exist but
     that this model did not build (keys of another model family in a shared registry). ``conversion`` holds
     the weight conversion rows (rule -> checkpoint keys) when the conversion layer recorded any for this model.
+    ``upstream`` lists the modules Transformers itself replaced while it built the model (the fusions of
+    ``fusion_config``, Transformers 5.24+; see :mod:`modelpatch.patching.upstream`).
     """
 
     rows: list[PatchRow] = field(default_factory=list)
@@ -40,6 +43,7 @@ class PatchReport:
     conflicts: list[Conflict] = field(default_factory=list)
     conversion: list[Any] = field(default_factory=list)  # rows of the conversion layer (duck-typed ``as_dict``)
     not_applicable_keys: list[str] = field(default_factory=list)
+    upstream: list[UpstreamFusion] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -58,6 +62,15 @@ class PatchReport:
             "not_applicable_keys": list(self.not_applicable_keys),
             "conflicts": [c.message() for c in self.conflicts],
             "conversion": [getattr(row, "as_dict", lambda row=row: row)() for row in self.conversion],
+            "upstream": [
+                {
+                    "path": u.path,
+                    "original": _qualname(u.original),
+                    "replacement": _qualname(u.fused),
+                    "fusion": u.fusion,
+                }
+                for u in self.upstream
+            ],
         }
 
     def __str__(self) -> str:
@@ -71,6 +84,11 @@ class PatchReport:
         if self.not_applicable_keys:
             lines.append(f"keys of classes this model does not build: {', '.join(self.not_applicable_keys)}")
         lines.extend(c.message() for c in self.conflicts)
+        if self.upstream:
+            lines.append(f"{len(self.upstream)} module(s) fused by Transformers (fusion_config)")
+            width = max(len(u.path) for u in self.upstream)
+            for u in self.upstream:
+                lines.append(f"  {u.path:<{width}}  {u.original.__name__} -> {u.fused.__name__}  [{u.fusion}]")
         return "\n".join(lines)
 
 
@@ -112,6 +130,7 @@ def patch_report(model: nn.Module) -> PatchReport:
             report.conflicts = [c for scope in record.scopes for c in scope.conflicts()]
     for reader in _CONVERSION_READERS:
         report.conversion.extend(reader(model))
+    report.upstream = upstream_fusions(model)
     return report
 
 

@@ -29,6 +29,7 @@ from .catalog import CATALOG, known_class_names
 from .interception import install_hook, uninstall_hook
 from .provenance import Replacement, build_record, provenance, set_provenance
 from .registry import PatchMapping, PatchRule
+from .upstream import in_fusion_discovery
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -65,7 +66,7 @@ def active_scopes() -> tuple[PatchScope, ...]:
 def _lookup(target: type) -> tuple[type, Callable[[object, tuple[Any, ...], dict[str, Any]], None]] | None:
     """The hook's question: is ``target`` replaced for the caller? Returns (replacement, on_built)."""
     scopes = _ACTIVE.get()
-    if not scopes:
+    if not scopes or in_fusion_discovery():  # Transformers' fusion discovery must see its own classes
         return None
     for scope in scopes:
         scope._saw(target)

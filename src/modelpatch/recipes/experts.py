@@ -264,6 +264,23 @@ def _class_keyed_expert_converter(folder: str) -> bool:
     return any(key[:1].isupper() and f"class {key}(" in text and _split_builtins(key)[0] for key in table)
 
 
+_CLASS_BASES = re.compile(r"^class (\w+)\(([\w., ]+)\)", re.M)
+
+
+def _undecorated_subclass(folder: str, classes: tuple[ExpertsClass, ...]) -> tuple[str, str] | None:
+    """``(subclass, decorated class)`` for a class of ``folder``'s modeling file that subclasses one of its
+    decorated ``classes`` (read as text), e.g. Ergo's ``ErgoExperts(ErgoExpertProjections)``; ``None`` if none."""
+    path = _models_dir() / folder / f"modeling_{folder}.py"
+    if not folder or not path.is_file():
+        return None
+    names = {c.name for c in classes}
+    for match in _CLASS_BASES.finditer(path.read_text(encoding="utf-8")):
+        base = next((b.strip() for b in match.group(2).split(",") if b.strip() in names), None)
+        if base is not None:
+            return match.group(1), base
+    return None
+
+
 def experts_family(model_type: str) -> ExpertsFamily:
     """The :class:`ExpertsFamily` of ``model_type`` (from source text and Transformers' conversion mapping).
 
@@ -291,6 +308,13 @@ def experts_family(model_type: str) -> ExpertsFamily:
         names: tuple[str, ...] = (*gate_up, fused.get("down_proj", ["down_proj"])[0])
     else:
         names = (fused.get("up_proj", ["up_proj"])[0], fused.get("down_proj", ["down_proj"])[0])
+    subclass = _undecorated_subclass(home or "", classes)
+    if subclass and not why:
+        why = (
+            f"{subclass[0]}, the experts module the model builds, subclasses the decorated {subclass[1]} and adds "
+            "its own forward and parameters (e.g. a per-expert post-expert norm): a replacement of the decorated "
+            "class is never built, and a ModuleList of per-expert linears has no place for the rest"
+        )
     norm = [c.name for c in classes if c.flags["has_post_expert_norm"]]
     if norm and not why:
         why = (
@@ -404,7 +428,7 @@ def _derive(ref: nn.Module, cls_name: str) -> dict[str, Any]:
     attributes = {
         k: v
         for k, v in vars(ref).items()
-        if not k.startswith("_") and k not in _SKIPPED_ATTRIBUTES and isinstance(v, (int, float, bool, str))
+        if not k.startswith("_") and k not in _SKIPPED_ATTRIBUTES and isinstance(v, (int, float, bool, str, type(None)))
     }
     return dict(
         flags=flags, num=num, hidden=hidden, intermediate=intermediate, act=act, gating=gating, attributes=attributes
