@@ -36,6 +36,7 @@ def cache(tmp_path_factory):
 
 
 def run_json(capsys, argv) -> tuple[int, dict]:
+    capsys.readouterr()  # what the test's setup printed (DeepSpeed logs to stdout when a save first imports it)
     code = main([*argv, "--json"])
     return code, json.loads(capsys.readouterr().out)
 
@@ -417,3 +418,31 @@ def test_a_recipe_of_another_family_is_one_line_in_every_subcommand(command, tmp
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "recipe mixtral-linear-experts is for model type(s) mixtral" in err and "qwen2_moe" in err, err
     assert not out.exists()
+
+
+def test_json_stdout_holds_the_report_alone(tmp_path, capsys):
+    """What libraries print while a command runs goes to stderr, so ``--json`` parses: a print at import of the
+    patches file, and a logging handler bound to stdout before the command (as DeepSpeed's is when Transformers
+    imports it), which is pointed back at stdout afterwards."""
+    import logging
+
+    noisy = logging.getLogger("modelpatch-test-noisy-library")
+    handler = logging.StreamHandler(sys.stdout)
+    noisy.addHandler(handler)
+    patches = tmp_path / "patches.py"
+    patches.write_text(
+        "import logging\n"
+        "from modelpatch.recipes import FUSED_QKV_CLASSES\n"
+        "print('printed by the patches file')\n"
+        "logging.getLogger('modelpatch-test-noisy-library').warning('logged to stdout')\n"
+        "PATCH_MAPPING = {'LlamaAttention': FUSED_QKV_CLASSES['llama']}\n"
+    )
+    try:
+        capsys.readouterr()
+        code = main(["explain", "--model-type", "llama", "--patches", str(patches), "--json"])
+        out, err = capsys.readouterr()
+        assert json.loads(out)["replaced"]["LlamaAttention"], out
+        assert "printed by the patches file" in err and "logged to stdout" in err
+        assert handler.stream is sys.stdout and code == 0
+    finally:
+        noisy.removeHandler(handler)

@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from . import convert, explain, routing_check, verify
 from .checkpoint import trusting_remote_code
 from .errors import EXIT_USAGE, CliError
+from .render import report_to_stdout_only
 from .sandbox import CommandSandbox
 
 __all__ = ["main", "build_parser", "CliError"]
@@ -51,9 +52,9 @@ __all__ = ["main", "build_parser", "CliError"]
 
 def _list_recipes(args: argparse.Namespace) -> int:
     from ..recipes import get_recipe, list_recipes
-    from .render import table
+    from .render import emit, table
 
-    print(
+    emit(
         table(["recipe", "what it does"], [[name, get_recipe(name).description] for name in list_recipes()], indent="")
     )
     return 0
@@ -112,7 +113,12 @@ def _quiet_transformers():
 
 
 def _run(args: argparse.Namespace) -> int:
-    with _quiet_transformers(), CommandSandbox(), trusting_remote_code(getattr(args, "trust_remote_code", False)):
+    with (
+        report_to_stdout_only(),
+        _quiet_transformers(),
+        CommandSandbox(),
+        trusting_remote_code(getattr(args, "trust_remote_code", False)),
+    ):
         return args.handler(args)
 
 

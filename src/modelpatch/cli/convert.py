@@ -13,7 +13,7 @@ import os
 
 from .checkpoint import add_trust_remote_code
 from .errors import CliError
-from .render import plain, table
+from .render import emit, plain, table
 from .sources import check_recipe_fits, resolve_patches
 
 __all__ = ["add_parser", "main"]
@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
             f"cannot convert {args.src} -> {args.dst}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
         ) from None
     if args.json:
-        print(
+        emit(
             json.dumps(
                 [
                     {"rule": r.rule, "source_keys": list(r.source_keys), "target_keys": list(r.target_keys)}
@@ -76,9 +76,9 @@ def main(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(
+        emit(
             f"converted {args.src} -> {args.dst} ({model_type}, {'reverse' if args.reverse else 'forward'}): "
             f"{len(rows)} group(s)"
         )
-        print(table(["from", "to"], [[", ".join(r.source_keys), ", ".join(r.target_keys)] for r in rows]))
+        emit(table(["from", "to"], [[", ".join(r.source_keys), ", ".join(r.target_keys)] for r in rows]))
     return 0

@@ -20,7 +20,7 @@ import os
 from .checkpoint import add_trust_remote_code, checkpoint_keys, model_class, read_config
 from .errors import EXIT_FAILED_CHECK, CliError
 from .plan import has_weights, problem_words, rule_text, static_findings
-from .render import plain, section, strict_json, table
+from .render import emit, plain, section, strict_json, table
 from .sources import check_recipe_fits, config_names, resolve_patches
 
 __all__ = ["add_parser", "main", "explain"]
@@ -217,5 +217,5 @@ def main(args: argparse.Namespace) -> int:
     recipe = resolve_patches(args.recipe, args.patches)
     fusion = dict.fromkeys(args.fusion, True) if getattr(args, "fusion", None) else None
     report = explain(recipe, model_dir=args.model, model_type=args.model_type, fusion_config=fusion)
-    print(strict_json(report) if args.json else render(report))
+    emit(strict_json(report) if args.json else render(report))
     return EXIT_FAILED_CHECK if any(report["problems"].values()) else 0

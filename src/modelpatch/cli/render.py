@@ -2,9 +2,59 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stdout
+from contextvars import ContextVar
+from typing import TextIO
 
-__all__ = ["table", "section", "plain"]
+__all__ = ["table", "section", "plain", "emit", "report_to_stdout_only"]
+
+# The stream a running command's report goes to: the stdout it was started with (see report_to_stdout_only).
+_REPORT: ContextVar[TextIO | None] = ContextVar("modelpatch_cli_report", default=None)
+
+
+def emit(text: str) -> None:
+    """Print ``text`` (a report, a table, a JSON document) to the command's report stream: the stdout the command
+    was started with, even while :func:`report_to_stdout_only` sends other output to stderr."""
+    print(text, file=_REPORT.get() or sys.stdout)
+
+
+@contextmanager
+def report_to_stdout_only() -> Iterator[None]:
+    """While a command runs, stdout carries its report alone (:func:`emit`): what libraries print there (DeepSpeed
+    logs "Setting accelerator to CPU" to stdout when Transformers imports it; torchao, bitsandbytes) goes to stderr,
+    so ``--json`` output parses. ``sys.stdout`` is process-wide: another thread's prints also go to stderr while a
+    command runs in-process, as its logging levels are (:func:`modelpatch.cli._quiet_transformers`). Logging
+    handlers that already write to stdout (DeepSpeed's binds ``sys.stdout`` when it is imported, which may be before
+    the command) write to stderr until the command returns."""
+    from ..undo import UndoStack
+
+    token = _REPORT.set(sys.stdout)
+    try:
+        with UndoStack() as undo, redirect_stdout(sys.stderr):
+            for handler in _handlers_writing_to(_REPORT.get()):
+                undo.setattr(handler, "stream", sys.stderr)
+            yield
+    finally:
+        _REPORT.reset(token)
+
+
+def _handlers_writing_to(stream: object) -> list[logging.StreamHandler]:
+    """Every ``logging.StreamHandler`` of the root logger or a named logger whose stream is ``stream``."""
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    return [
+        h
+        for lg in loggers
+        for h in lg.handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) and h.stream is stream
+    ]
+
 
 _ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(?P<short>~?)\.?(?P<target>[^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")

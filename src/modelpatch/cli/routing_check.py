@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint import add_trust_remote_code
 from .errors import CliError
-from .render import section, strict_json
+from .render import emit, section, strict_json
 
 __all__ = ["add_parser", "main"]
 
@@ -185,13 +185,13 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(agreement, args.plot, args.routes)
     if args.json:
-        print(strict_json({**agreement.as_dict(), "replayed_logits_max_abs_diff": logits_diff, "plot": args.plot}))
+        emit(strict_json({**agreement.as_dict(), "replayed_logits_max_abs_diff": logits_diff, "plot": args.plot}))
         return 0
-    print(section(f"routes {args.routes} vs the natural routing of {args.model}"))
-    print(agreement.table())
-    print(section("replay", f"logits with the routes replayed vs natural: max abs diff {logits_diff:.4g}"))
+    emit(section(f"routes {args.routes} vs the natural routing of {args.model}"))
+    emit(agreement.table())
+    emit(section("replay", f"logits with the routes replayed vs natural: max abs diff {logits_diff:.4g}"))
     if args.plot:
-        print(f"chart written to {args.plot}")
+        emit(f"chart written to {args.plot}")
     return 0
 
 

@@ -62,7 +62,7 @@ from .paths import DEFAULT_NEW_TOKENS, PATH_CHECKS, PathCheck, run_path_checks
 from .plan import Findings, problem_words, static_findings, unfired_rules
 from .provenance import ParamSource, first_difference, parameter_provenance
 from .quantize import QUANTIZATIONS, QuantizedResult, quantization_config, run_quantized
-from .render import plain, section, strict_json, table
+from .render import emit, plain, section, strict_json, table
 from .sources import check_recipe_fits, config_names, resolve_patches
 from .train_check import DEFAULT_STEPS, DEFAULT_TOKENS, OPTIMIZERS, TrainResult, run_train_check
 from .train_check import render as render_training
@@ -825,5 +825,5 @@ def main(args: argparse.Namespace) -> int:
         checks=args.checks,
         new_tokens=args.new_tokens,
     )
-    print(strict_json(result.as_dict()) if args.json else render(result))
+    emit(strict_json(result.as_dict()) if args.json else render(result))
     return 0 if result.ok else EXIT_FAILED_CHECK
