@@ -11,7 +11,7 @@ interleaved rounds after warm-up (the compile itself is not timed):
 
 Prints wall-clock and process-CPU-time medians and their ratios, graph breaks and recompiles.
 
-    python benchmarks/bench_compile.py [--tokens 128] [--rounds 15] [--threads N]
+    python benchmarks/bench_compile.py [--tokens 128] [--rounds 15] [--threads N] [--only qkv|routing]
 """
 
 from __future__ import annotations
@@ -185,13 +185,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    parser.add_argument("--only", choices=("qkv", "routing"), help="run one of the two benchmarks")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.set_verbosity_error()
-    bench_qkv(args.tokens, args.rounds)
-    print()
-    bench_routing(args.tokens, args.rounds)
+    if args.only != "routing":
+        bench_qkv(args.tokens, args.rounds)
+    if args.only is None:
+        print()
+    if args.only != "qkv":
+        bench_routing(args.tokens, args.rounds)
 
 
 if __name__ == "__main__":
