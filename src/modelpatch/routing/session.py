@@ -58,7 +58,7 @@ from .recompute import (
     is_bound,
     unbound_checkpoint_on_stack,
 )
-from .sites import RouterSite, find_router_sites, stack_owner
+from .sites import RouterSite, find_router_sites, stack_owner, submodule
 from .trace import RoutingTrace
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ class _SessionDriver:
         for s in self.sites:
             m = model
             for part in s.name.split(".")[:-1]:  # one level at a time (not get_submodule of each prefix)
-                m = m.get_submodule(part)
+                m = submodule(m, part)
                 hosts.setdefault(id(m), m)
         self._hosts = list(hosts.values())
         self._bound_attrs: dict[tuple[int, str], tuple[nn.Module, str]] = {}
