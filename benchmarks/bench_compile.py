@@ -7,11 +7,12 @@ interleaved rounds after warm-up (the compile itself is not timed):
   ``llama-fused-qkv`` model vs the compiled vanilla model (same weights). Target <= 1.0x (one matmul for q, k, v).
 * Qwen3-MoE (hidden 256, 4 layers, 8 experts, top-2), batch 4 x ``--tokens``, no grad: the compiled model inside
   ``record_routing`` and inside ``replay_routing`` (a block per forward, enter/exit included) vs the compiled
-  plain forward. Target <= 1.05x. Both blocks reuse one graph compiled on the first block (recompiles printed).
+  plain forward. Targets: record <= 1.05x, replay <= 1.02x. Both blocks reuse one graph compiled on the first block (recompiles printed).
 
-Prints wall-clock and process-CPU-time medians and their ratios, graph breaks and recompiles.
+Prints wall-clock and process-CPU-time medians and their ratios, the median of the per-round CPU ratios (paired, the
+least sensitive to other processes on the machine; use ``--threads 1``), graph breaks and recompiles.
 
-    python benchmarks/bench_compile.py [--tokens 128] [--rounds 15] [--threads N]
+    python benchmarks/bench_compile.py [--tokens 128] [--rounds 15] [--threads N] [--only qkv|routing]
 """
 
 from __future__ import annotations
@@ -49,24 +50,31 @@ class _Counting:
         return sum(1 for _, n in self.ids if n)
 
 
-def _time(variants: dict, rounds: int) -> dict[str, tuple[float, float]]:
+def _time(variants: dict, rounds: int) -> dict[str, tuple[float, float, list[float]]]:
+    """Per variant: median wall time, median process-CPU time, and the CPU time of each round. The variants run
+    once per round, in an order rotated each round, so that load changes and the slot after another variant hit
+    every variant alike."""
     walls: dict[str, list[float]] = {k: [] for k in variants}
     cpus: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             w, c = time.perf_counter(), time.process_time()
-            fn()
+            variants[name]()
             walls[name].append(time.perf_counter() - w)
             cpus[name].append(time.process_time() - c)
-    return {k: (statistics.median(walls[k]), statistics.median(cpus[k])) for k in variants}
+    return {k: (statistics.median(walls[k]), statistics.median(cpus[k]), cpus[k]) for k in variants}
 
 
-def _table(title: str, results: dict[str, tuple[float, float]], base: str) -> None:
+def _table(title: str, results: dict[str, tuple[float, float, list[float]]], base: str) -> None:
+    """Ratios to ``base``: of the wall and CPU medians, and the median of the per-round CPU ratios ("paired": each
+    round's variant against the same round's base, which cancels load that changes between rounds)."""
     print(title)
-    print(f"{'variant':40s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s}")
-    bw, bc = results[base]
-    for name, (w, c) in results.items():
-        print(f"{name:40s} {w * 1e3:9.2f} {w / bw:7.3f}x {c * 1e3:9.2f} {c / bc:7.3f}x")
+    print(f"{'variant':40s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s} {'paired':>7s}")
+    bw, bc, bcs = results[base]
+    for name, (w, c, cs) in results.items():
+        paired = statistics.median(x / b for x, b in zip(cs, bcs))
+        print(f"{name:40s} {w * 1e3:9.2f} {w / bw:7.3f}x {c * 1e3:9.2f} {c / bc:7.3f}x {paired:6.3f}x")
 
 
 def bench_qkv(tokens: int, rounds: int) -> None:
@@ -185,13 +193,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    parser.add_argument("--only", choices=("qkv", "routing"), help="run one of the two benchmarks")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.set_verbosity_error()
-    bench_qkv(args.tokens, args.rounds)
-    print()
-    bench_routing(args.tokens, args.rounds)
+    if args.only != "routing":
+        bench_qkv(args.tokens, args.rounds)
+    if args.only is None:
+        print()
+    if args.only != "qkv":
+        bench_routing(args.tokens, args.rounds)
 
 
 if __name__ == "__main__":

@@ -336,6 +336,18 @@ def test_record_and_replay_on_a_model_compiled_before_the_blocks():
             outs[0].sum().backward()
         assert max((a - b).abs().max().item() for a, b in zip(outs, eager)) < 1e-5
         assert _max_diff(_grads(model), eager_grads) < 1e-5
+    # a "no route" row (-1) in a batch without padding: that token takes the live router's choice, as in eager
+    layer = shifted.layers[0]
+    routes = shifted.layer_routes(layer)
+    routes[0][0] = -1
+    freed = RoutingTrace({layer: routes}, num_experts=shifted.num_experts, top_k=shifted.top_k, num_hidden_layers=1)
+    with replay_routing(model, freed):
+        eager_freed = _forwards(model)
+    with replay_routing(model, freed):
+        compiled_freed = _forwards(compiled)
+    assert max((a - b).abs().max().item() for a, b in zip(compiled_freed, eager_freed)) < 1e-5
+    assert (compiled_freed[0][0, 0] - outs[0][0, 0]).abs().max() > 1e-3  # token 0: natural, not the shifted route
+    assert torch.allclose(compiled_freed[0][1], outs[0][1], atol=1e-5)  # the other sequence: as replayed before
     plain = _forwards(model)
     assert min((a - b).abs().max().item() for a, b in zip(outs, plain)) > 1e-3  # replay forced other experts
     after = _forwards(compiled)  # outside the blocks: the plain graph again

@@ -3,6 +3,11 @@ either order, and one code path for ``apply_patches(conversion_rules=..., overwr
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -32,6 +37,7 @@ from modelpatch.integrations import transformers as integration
 from modelpatch.recipes import get_recipe
 from modelpatch.undo import ABSENT, UndoStack
 
+_SRC = Path(modelpatch.__file__).resolve().parents[1]
 FusedQKVAttention = get_recipe("llama-fused-qkv").patch_mapping["LlamaAttention"]
 QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
 
@@ -273,3 +279,60 @@ def test_uninstall_restores_transformers_exactly_and_install_puts_it_back(tmp_pa
     assert type(fused.model.layers[0].self_attn) is FusedQKVAttention
     with torch.no_grad():
         assert (fused(INPUT_IDS).logits - plain(INPUT_IDS).logits).abs().max() < 1e-5
+
+
+# -- import cost: Transformers' heavy modules are wrapped when imported, not imported by modelpatch --------------
+
+_HEAVY = ("transformers.modeling_utils", "transformers.trainer_utils", "torchao", "bitsandbytes", "peft")
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(_SRC), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+
+
+def test_import_modelpatch_is_silent_and_imports_no_heavy_transformers_module():
+    done = _python(f"import sys, modelpatch; print(sorted(set({_HEAVY!r}) & set(sys.modules)))")
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", "[]\n")
+
+
+def test_cli_help_prints_only_help():
+    done = _python("import sys; from modelpatch.cli import main; sys.exit(main(sys.argv[1:]))", "--help")
+    assert done.returncode == 0
+    assert done.stderr == ""
+    assert done.stdout.startswith("usage: modelpatch ")
+    assert "routing-check" in done.stdout
+
+
+_FRESH_PROCESS_LOAD = """
+import sys
+import modelpatch
+from modelpatch.integrations import loaders, trainer as trainer_integration
+from modelpatch.recipes import get_recipe
+
+recipe = get_recipe("llama-fused-qkv")
+recipe.register()  # the registry: every later build, no call at load time
+assert "transformers.modeling_utils" not in sys.modules  # the wrappers wait for it
+import transformers
+from safetensors.torch import load_file
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+attn = model.model.layers[0].self_attn
+saved = load_file(sys.argv[1] + "/model.safetensors")
+expected = [saved["model.layers.0.self_attn." + n + "_proj.weight"] for n in "qkv"]
+import torch
+import transformers.trainer  # the Trainer's optimizer wrappers and its load_sharded_checkpoint, at its import
+print(type(attn).__name__, type(attn) is recipe.patch_mapping["LlamaAttention"],
+      torch.equal(attn.qkv_proj.weight, torch.cat(expected)),
+      transformers.trainer.load_sharded_checkpoint is loaders._wrappers["load_sharded_checkpoint"],
+      trainer_integration.installed() and "_save_optimizer_and_scheduler" in vars(transformers.trainer.Trainer))
+"""
+
+
+@pytest.mark.slow
+def test_models_built_after_a_fresh_import_are_patched(tmp_path):
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    done = _python(_FRESH_PROCESS_LOAD, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["FusedQKVLlamaAttention", "True", "True", "True", "True"]

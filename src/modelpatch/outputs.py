@@ -35,11 +35,11 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch.nn as nn
-from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import output_capturing as _capturing
 from transformers.utils.output_capturing import OutputRecorder
 
 from .errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
+from .integrations.imports import pretrained_model_class
 from .patching.provenance import provenance
 from .undo import UndoStack
 
@@ -145,7 +145,8 @@ def patch_output_recorders(model: nn.Module) -> None:
     """
     _require_extension()
     pairs = _replaced_pairs(model)
-    for submodel in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
+    pretrained = pretrained_model_class()
+    for submodel in [m for m in model.modules() if isinstance(m, pretrained)]:
         base = dict.get(_capturing._CAN_RECORD_REGISTRY, str(submodel.__class__)) or {}
         additions: dict[str, list] = {}
         for name, specs in base.items():
@@ -370,9 +371,10 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
         specs.append(rec)
     recorders = tuple(specs)
     owners: list[Any]
-    if isinstance(model_or_class, PreTrainedModel):
-        owners = [m for m in model_or_class.modules() if isinstance(m, PreTrainedModel)]
-    elif isinstance(model_or_class, type) and issubclass(model_or_class, PreTrainedModel):
+    pretrained = pretrained_model_class()
+    if isinstance(model_or_class, pretrained):
+        owners = [m for m in model_or_class.modules() if isinstance(m, pretrained)]
+    elif isinstance(model_or_class, type) and issubclass(model_or_class, pretrained):
         owners = [model_or_class]
         if not _captures_outputs(model_or_class):
             raise ModelpatchTypeError(

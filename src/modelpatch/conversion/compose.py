@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedModel
-
+from ..integrations.imports import pretrained_model_class
 from ..patching.provenance import build_record
 from . import registry
 from .errors import ConversionError
@@ -44,8 +43,9 @@ class ResolvedRules:
 
 
 def _submodels(model):
+    pretrained = pretrained_model_class()
     for name, module in model.named_modules():
-        if isinstance(module, PreTrainedModel):
+        if isinstance(module, pretrained):
             yield name, module
 
 

@@ -19,16 +19,19 @@ rules whose targets the model lacks are dropped, see :func:`.compose.transforms_
 parameters of replacement modules came from the checkpoint (:mod:`.unloaded`). A quantized load inside a patch
 scope or with user rules that leaves fused 3-D experts parameters in full precision warns, naming them
 (:func:`.quantized.warn_fused_experts_left`). The wrappers are installed when
-:mod:`modelpatch` is imported. :func:`uninstall` restores the originals.
+:mod:`modelpatch` is imported, or, if ``transformers.modeling_utils`` is not imported yet (it imports torchao,
+bitsandbytes, ... when installed: seconds and log lines that importing modelpatch must not cost), right after it is
+(:class:`~modelpatch.integrations.imports.PostImportHook`). :func:`uninstall` restores the originals.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
+from types import ModuleType
 
-from transformers import modeling_utils as _mu
-
+from ..integrations.imports import PostImportHook
 from ..patching.scopes import active_scopes
 from . import zero3
 from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
@@ -41,7 +44,9 @@ from .unloaded import check_replacements_loaded
 
 __all__ = ["install", "uninstall", "installed"]
 
-_lock = threading.Lock()
+TARGET_MODULE = "transformers.modeling_utils"
+
+_lock = threading.RLock()  # the import hook may fire while install() holds it (install imports nothing, though)
 _originals: dict = {}
 
 
@@ -108,32 +113,50 @@ _WRAPPERS = {
 }
 
 
-def install() -> None:
-    """Install the wrappers (idempotent, thread-safe).
+def _wrap(module: ModuleType) -> None:
+    """Wrap the functions of ``transformers.modeling_utils`` named in ``_WRAPPERS`` (idempotent).
 
     A name that someone else (a profiler, another library) wrapped again after modelpatch is left alone: that wrapper
     calls ours, and taking it as our "original" would make ours call itself without end.
     """
     with _lock:
         for name, wrapper in _WRAPPERS.items():
-            current = getattr(_mu, name, None)
+            current = getattr(module, name, None)
             if current is None:  # not in this Transformers release (the ZeRO-3 loader is not in every 5.x)
                 continue
             if current is wrapper or (name in _originals and current is not _originals[name]):
                 continue
             _originals[name] = current
-            setattr(_mu, name, wrapper)
+            setattr(module, name, wrapper)
+
+
+_hook = PostImportHook(TARGET_MODULE, _wrap)
+
+
+def install() -> None:
+    """Install the wrappers now, or right after ``transformers.modeling_utils`` is imported (idempotent,
+    thread-safe)."""
+    with _lock:
+        _hook.now_or_on_import()
         set_hooks_installed(True)
 
 
 def uninstall() -> None:
-    """Restore Transformers' functions (only those still wrapped by us)."""
+    """Restore Transformers' functions (only those still wrapped by us) and remove the import hook."""
     with _lock:
-        for name, wrapper in _WRAPPERS.items():
-            if getattr(_mu, name) is wrapper and name in _originals:
-                setattr(_mu, name, _originals.pop(name))
+        _hook.disarm()
+        module = sys.modules.get(TARGET_MODULE)
+        if module is not None:
+            for name, wrapper in _WRAPPERS.items():
+                if getattr(module, name, None) is wrapper and name in _originals:
+                    setattr(module, name, _originals.pop(name))
         set_hooks_installed(False)
 
 
 def installed() -> bool:
-    return all(getattr(_mu, name) is wrapper for name, wrapper in _WRAPPERS.items() if hasattr(_mu, name))
+    """Whether :func:`install` is in effect (the functions wrapped, or the hook waiting for the import)."""
+    with _lock:
+        module = sys.modules.get(TARGET_MODULE)
+        if module is None:
+            return _hook.armed
+        return all(getattr(module, name) is wrapper for name, wrapper in _WRAPPERS.items() if hasattr(module, name))

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
 
 from ..errors import ModelpatchTypeError
+from ..integrations.imports import pretrained_model_class
 from .compose import ResolvedRules, resolve_model_rules
 from .errors import ConversionError, OptimizerStateError
 from .loading import model_key
@@ -124,7 +124,7 @@ def _provenance(iterator) -> dict[str, tuple[tuple[str, ...], bool]]:
 
 def _layouts(model) -> _Layouts | None:
     """The units of ``model`` and its unpatched class, or ``None`` when the model has no layout of its own."""
-    if not isinstance(model, PreTrainedModel):
+    if not isinstance(model, pretrained_model_class()):
         raise ModelpatchTypeError(
             f"optimizer state in the original layout takes a transformers PreTrainedModel, got {type(model).__name__} "
             "(for a DDP/FSDP wrapper pass the model it wraps: model.module)"

@@ -18,12 +18,12 @@ import json
 from collections.abc import Iterator
 
 import torch
-from transformers import PreTrainedModel
 from transformers import conversion_mapping as _tcm
 from transformers import core_model_loading as _tcml
 from transformers.utils import logging
 
 from ..errors import ModelpatchTypeError
+from ..integrations.imports import pretrained_model_class
 from .compose import compose_builtins, resolve_model_rules, rules_fitting_model
 from .errors import ConversionError
 from .plan import build_plan
@@ -149,7 +149,7 @@ def iter_original_state_dict(model, state_dict: dict | None = None) -> OriginalL
     """
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    if not isinstance(model, PreTrainedModel):
+    if not isinstance(model, pretrained_model_class()):
         raise ModelpatchTypeError(
             f"iter_original_state_dict takes a transformers PreTrainedModel, got {type(model).__name__} (for a "
             "DDP/FSDP or PEFT wrapper pass the model it wraps: model.module, peft_model.get_base_model())"

@@ -13,14 +13,27 @@ import importlib.abc
 import sys
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-__all__ = ["PostImportHook"]
+if TYPE_CHECKING:
+    from transformers.modeling_utils import PreTrainedModel
+
+__all__ = ["PostImportHook", "pretrained_model_class"]
+
+
+def pretrained_model_class() -> type[PreTrainedModel]:
+    """``transformers.PreTrainedModel``, imported at the first call rather than when modelpatch is imported:
+    ``transformers.modeling_utils`` costs seconds to import and imports torchao, bitsandbytes, ... when installed
+    (log lines on stderr)."""
+    from transformers.modeling_utils import PreTrainedModel  # import cost: at first use
+
+    return PreTrainedModel
 
 
 class _Loader(importlib.abc.Loader):
-    """Delegates to the real loader; runs the callback on the module once it has been executed."""
+    """Delegates to the real loader; runs the callbacks on the module once it has been executed."""
 
-    def __init__(self, loader, on_import: Callable[[ModuleType], None]):
+    def __init__(self, loader, on_import: list[Callable[[ModuleType], None]]):
         self._loader = loader
         self._on_import = on_import
 
@@ -29,7 +42,8 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        self._on_import(module)
+        for callback in self._on_import:
+            callback(module)
 
     def __getattr__(self, name):  # get_source, get_resource_reader, ...
         return getattr(self._loader, name)
@@ -37,6 +51,9 @@ class _Loader(importlib.abc.Loader):
 
 class PostImportHook(importlib.abc.MetaPathFinder):
     """Runs ``on_import(module)`` right after the module named ``target`` is imported (while :meth:`arm` ed).
+
+    Several hooks may be armed for one module: the first on :data:`sys.meta_path` answers for all of them (each
+    callback runs once, in the order the hooks were armed).
 
     Args:
         target: the full module name (``"transformers.trainer"``).
@@ -51,16 +68,18 @@ class PostImportHook(importlib.abc.MetaPathFinder):
         if fullname != self.target:
             return None
         spec = None
-        for finder in list(sys.meta_path):
+        finders = list(sys.meta_path)
+        for finder in finders:
             find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
+            if isinstance(finder, PostImportHook) or find_spec is None:
                 continue
             spec = find_spec(fullname, path, target)
             if spec is not None:
                 break
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _Loader(spec.loader, self.on_import)
+        hooks = [f for f in reversed(finders) if isinstance(f, PostImportHook) and f.target == fullname]
+        spec.loader = _Loader(spec.loader, [h.on_import for h in hooks])
         return spec
 
     def now_or_on_import(self) -> None:

@@ -29,8 +29,10 @@ the model's layout. The Trainer's resume (``Trainer._load_from_checkpoint``) goe
 **Installation.** :func:`install` (called by :func:`modelpatch.integrations.transformers.install`, on import of
 modelpatch) replaces each function in its own module and in the modules that re-export it (``accelerate``,
 ``accelerate.utils``, ``accelerate.big_modeling``, ``accelerate.utils.bnb``, ``transformers.trainer``; those
-imported later take the wrapper from the module they import it from). Code that imported one of these names
-*before* modelpatch keeps the original: import modelpatch first. Accelerate is optional: without it only the other
+imported later take the wrapper from the module they import it from). A module not imported yet is not imported
+(``transformers.trainer_utils`` imports PEFT, bitsandbytes, ...: seconds and log lines): its function is wrapped
+right after it is imported (:class:`~.imports.PostImportHook`). Code that imported one of these names *before*
+modelpatch keeps the original: import modelpatch first. Accelerate is optional: without it only the other
 two are wrapped. A name someone wrapped again after us is left alone. :func:`uninstall` restores the originals
 exactly, in every module that holds a wrapper.
 """
@@ -48,12 +50,14 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from ..conversion.errors import StateDictLayoutError
 from ..conversion.loaders import CheckpointConversion, analyse_checkpoint, loads_in_parts
 from ..conversion.state import get_state
+from .imports import PostImportHook
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -262,37 +266,39 @@ _TARGETS = (
 )
 
 
-def _home(target: _Target):
-    if target.optional is not None and importlib.util.find_spec(target.optional) is None:
-        return None
-    return importlib.import_module(target.module)
+def _wrap(target: _Target, home: ModuleType) -> None:
+    """Wrap ``target`` in its (imported) module and in the re-exporting modules imported so far (idempotent)."""
+    with _lock:
+        current = getattr(home, target.name)
+        wrapper = _wrappers.get(target.key)
+        if current is not wrapper:
+            if target.key in _originals and current is not _originals[target.key]:
+                return  # wrapped again by someone after us: their wrapper calls ours
+            _originals[target.key] = current
+            wrapper = _wrappers[target.key] = target.make(current)
+            setattr(home, target.name, wrapper)
+        for name in target.reexports:
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, target.name, None) is _originals[target.key]:
+                setattr(module, target.name, wrapper)
+
+
+_hooks = {target.key: PostImportHook(target.module, functools.partial(_wrap, target)) for target in _TARGETS}
 
 
 def install() -> None:
-    """Wrap the loaders (idempotent, thread-safe; re-entrant)."""
+    """Wrap the loaders whose modules are imported; arm an import hook for the others (idempotent, thread-safe;
+    re-entrant). Imports none of the modules."""
     with _lock:
         for target in _TARGETS:
-            home = _home(target)
-            if home is None:
-                continue
-            current = getattr(home, target.name)
-            wrapper = _wrappers.get(target.key)
-            if current is not wrapper:
-                if target.key in _originals and current is not _originals[target.key]:
-                    continue  # wrapped again by someone after us: their wrapper calls ours
-                _originals[target.key] = current
-                wrapper = _wrappers[target.key] = target.make(current)
-                setattr(home, target.name, wrapper)
-            for name in target.reexports:
-                module = sys.modules.get(name)
-                if module is not None and getattr(module, target.name, None) is _originals[target.key]:
-                    setattr(module, target.name, wrapper)
+            _hooks[target.key].now_or_on_import()
 
 
 def uninstall() -> None:
-    """Put the original functions back in every module that holds one of the wrappers."""
+    """Remove the import hooks; put the original functions back in every module that holds one of the wrappers."""
     with _lock:
         for target in _TARGETS:
+            _hooks[target.key].disarm()
             wrapper, original = _wrappers.get(target.key), _originals.get(target.key)
             if wrapper is None or original is None:
                 continue
@@ -305,14 +311,17 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    """Whether every loader that can be wrapped here is (accelerate's only when it is installed)."""
+    """Whether every loader that can be wrapped here is (accelerate's only when it is installed): wrapped, or, its
+    module not imported yet, with its import hook waiting."""
     with _lock:
         for target in _TARGETS:
             home = sys.modules.get(target.module)
             if home is None:
                 if target.optional is not None and importlib.util.find_spec(target.optional) is None:
                     continue
-                return False
+                if not _hooks[target.key].armed:
+                    return False
+                continue
             if getattr(home, target.name, None) is not _wrappers.get(target.key):
                 return False
         return True

@@ -32,7 +32,6 @@ import sys
 import threading
 from types import ModuleType
 
-from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from ..conversion.errors import OptimizerStateError
@@ -42,7 +41,7 @@ from ..conversion.optimizer import (
     original_optimizer_state_dict,
 )
 from ..undo import UndoStack
-from .imports import PostImportHook
+from .imports import PostImportHook, pretrained_model_class
 
 __all__ = ["install", "uninstall", "installed", "TARGET_MODULE"]
 
@@ -65,7 +64,7 @@ def _plain(trainer) -> bool:
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         return False
     model = trainer.model
-    if trainer.optimizer is None or not isinstance(model, PreTrainedModel):
+    if trainer.optimizer is None or not isinstance(model, pretrained_model_class()):
         return False  # e.g. a PeftModel: its adapters keep their own layout
     if getattr(model, "_hf_peft_config_loaded", False):
         return False  # adapters loaded through Transformers (model.load_adapter): likewise

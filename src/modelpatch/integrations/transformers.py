@@ -1,7 +1,9 @@
 """Automatic application: the registry is in force while Transformers builds a model.
 
-Installed once when :mod:`modelpatch` is imported (idempotent), these thin wrappers are the only
-process-wide change modelpatch makes, and they are inert while the registry is empty and no block is
+Installed once when :mod:`modelpatch` is imported (idempotent) or, while ``transformers.modeling_utils`` is not
+imported yet, right after it is (a :class:`~.imports.PostImportHook`: importing it costs seconds and imports
+torchao, bitsandbytes, ... when installed, which importing modelpatch must not do; no model can be built before
+it is imported), these thin wrappers are the only process-wide change modelpatch makes, and they are inert while the registry is empty and no block is
 open:
 
 * ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (which every ``Auto*`` class,
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 from contextvars import ContextVar
+from types import ModuleType
 
 import torch.nn as nn
-from transformers.modeling_utils import PreTrainedModel
 
 from ..conversion import hooks as conversion_hooks
 from ..conversion.saving import (
@@ -46,6 +49,7 @@ from ..undo import UndoStack
 from . import loaders as loaders_integration
 from . import peft as peft_integration
 from . import trainer as trainer_integration
+from .imports import PostImportHook
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -168,40 +172,55 @@ def _save_wrapper(original):
     return save_pretrained
 
 
-_installed = UndoStack()
+TARGET_MODULE = "transformers.modeling_utils"
+
+_installed = UndoStack()  # the wrappers on PreTrainedModel
+_registry = UndoStack()  # the output-recorder registry extension
 _install_lock = threading.RLock()  # install() may be re-entered (an integration that installs another)
 
 
+def _wrap(module: ModuleType) -> None:
+    """Wrap the methods of ``module.PreTrainedModel`` (idempotent)."""
+    with _install_lock:
+        if len(_installed):
+            return
+        pretrained = module.PreTrainedModel
+        for name in ("from_pretrained", "_from_config"):
+            original = vars(pretrained)[name].__func__
+            _installed.setattr(pretrained, name, _build_wrapper(name, original), raw=True)
+        _installed.setattr(pretrained, "__init__", _init_wrapper(vars(pretrained)["__init__"]), raw=True)
+        _installed.setattr(pretrained, "post_init", _post_init_wrapper(vars(pretrained)["post_init"]), raw=True)
+        _installed.setattr(pretrained, "save_pretrained", _save_wrapper(vars(pretrained)["save_pretrained"]), raw=True)
+
+
+_hook = PostImportHook(TARGET_MODULE, _wrap)
+
+
 def install() -> None:
-    """Install the wrappers on ``PreTrainedModel``, the output-recorder registry extension, the conversion
-    hooks, the PEFT integration (:mod:`.peft`), the checkpoint loaders of other libraries (:mod:`.loaders`) and the
-    Trainer's optimizer checkpoint (:mod:`.trainer`) (idempotent; :mod:`modelpatch` calls it on import)."""
+    """Install the wrappers on ``PreTrainedModel`` (now, or right after ``transformers.modeling_utils`` is
+    imported), the output-recorder registry extension, the conversion hooks, the PEFT integration (:mod:`.peft`),
+    the checkpoint loaders of other libraries (:mod:`.loaders`) and the Trainer's optimizer checkpoint
+    (:mod:`.trainer`) (idempotent; :mod:`modelpatch` calls it on import). Imports none of the libraries' modules
+    it wraps: each is wrapped when it is imported."""
     with _install_lock:
         conversion_hooks.install()
         peft_integration.install()
         loaders_integration.install()
         trainer_integration.install()
-        if len(_installed):
-            return
-        install_registry_extension(_installed)
-        for name in ("from_pretrained", "_from_config"):
-            original = vars(PreTrainedModel)[name].__func__
-            _installed.setattr(PreTrainedModel, name, _build_wrapper(name, original), raw=True)
-        _installed.setattr(PreTrainedModel, "__init__", _init_wrapper(vars(PreTrainedModel)["__init__"]), raw=True)
-        _installed.setattr(
-            PreTrainedModel, "post_init", _post_init_wrapper(vars(PreTrainedModel)["post_init"]), raw=True
-        )
-        _installed.setattr(
-            PreTrainedModel, "save_pretrained", _save_wrapper(vars(PreTrainedModel)["save_pretrained"]), raw=True
-        )
+        if not len(_registry):
+            install_registry_extension(_registry)
+        _hook.now_or_on_import()
 
 
 def uninstall() -> None:
     """Remove everything :func:`install` put in place, exactly (``PreTrainedModel``'s class dictionary and the
-    recorder registry's class are as before import), the conversion hooks, the PEFT and Trainer integrations and the loaders. Models built while installed keep
-    what they recorded; a later :func:`install` puts everything back."""
+    recorder registry's class are as before import), the import hooks, the conversion hooks, the PEFT and Trainer
+    integrations and the loaders. Models built while installed keep what they recorded; a later :func:`install`
+    puts everything back."""
     with _install_lock:
+        _hook.disarm()
         _installed.undo()
+        _registry.undo()
         conversion_hooks.uninstall()
         peft_integration.uninstall()
         loaders_integration.uninstall()
@@ -209,5 +228,11 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    """Whether :func:`install` is in effect."""
-    return len(_installed) > 0
+    """Whether :func:`install` is in effect (the wrappers in place, or the hook waiting for
+    ``transformers.modeling_utils``)."""
+    with _install_lock:
+        if not len(_registry):
+            return False
+        if TARGET_MODULE not in sys.modules:
+            return _hook.armed
+        return len(_installed) > 0

@@ -31,7 +31,6 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch.nn as nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..conversion import Concatenate, WeightConverter
 from .base import Recipe, RuleSpec
@@ -105,7 +104,7 @@ class FusedQKVAttention(nn.Module):
     family: ClassVar[AttentionFamily]
     modeling: ClassVar[ModuleType]
     """The family's modeling module, set on the family class by its first ``__init__``. ``forward`` reads
-    ``apply_rotary_pos_emb`` / ``eager_attention_forward`` from it at each call, as the original reads its
+    ``apply_rotary_pos_emb`` / ``eager_attention_forward`` / ``ALL_ATTENTION_FUNCTIONS`` from it at each call, as the original reads its
     module globals (so kernels patched into that module later are used too), without an import per call, which
     ``torch.compile`` cannot trace. A class attribute, not an instance one: instances stay picklable."""
 
@@ -162,7 +161,8 @@ class FusedQKVAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+        # the modeling module's binding of transformers.modeling_utils' registry (not imported here: import cost)
+        attention = module.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, module.eager_attention_forward
         )
         output, weights = attention(

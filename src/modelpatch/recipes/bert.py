@@ -10,10 +10,11 @@ Conversion rule (``bert``): ``attention.self.{query,key,value}`` → ``attention
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+from typing import ClassVar
+
 import torch.nn as nn
-from transformers.cache_utils import EncoderDecoderCache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from ..conversion import Concatenate, WeightConverter
 from ..errors import ModelpatchValueError
@@ -28,8 +29,16 @@ class FusedQKVBertSelfAttention(nn.Module):
     attn_weights | None)``; the KV cache (a decoder BERT) is taken as ``past_key_values`` (Transformers 5.23) or as
     ``cache`` (5.24 and later)."""
 
+    modeling: ClassVar[ModuleType]
+    """``transformers.models.bert.modeling_bert``, set on the class by its first ``__init__`` (not imported with
+    modelpatch: it imports ``transformers.modeling_utils``, seconds and torchao's log lines). ``forward`` reads
+    ``eager_attention_forward``, ``ALL_ATTENTION_FUNCTIONS`` and ``EncoderDecoderCache`` from it, without an import
+    per call, which ``torch.compile`` cannot trace."""
+
     def __init__(self, config, is_causal: bool = False, layer_idx: int | None = None):
         super().__init__()
+        if "modeling" not in FusedQKVBertSelfAttention.__dict__:  # subclasses (FSDP2's) inherit it
+            FusedQKVBertSelfAttention.modeling = importlib.import_module("transformers.models.bert.modeling_bert")
         if config.hidden_size % config.num_attention_heads != 0:
             raise ModelpatchValueError(
                 f"The hidden size ({config.hidden_size}) is not a multiple of the number of attention heads "
@@ -47,6 +56,7 @@ class FusedQKVBertSelfAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        module = self.modeling
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.attention_head_size)
         query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in self.qkv(hidden_states).chunk(3, dim=-1))
@@ -55,9 +65,11 @@ class FusedQKVBertSelfAttention(nn.Module):
         update_kwargs = {"kwargs": kwargs} if given is not None else {}
         given = past_key_values if given is None else given
         if given is not None:
-            cache = given.self_attention_cache if isinstance(given, EncoderDecoderCache) else given
-            key, value = cache.update(key, value, self.layer_idx, **update_kwargs)  # type: ignore[arg-type]  # set when a cache is used
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+            cache = given.self_attention_cache if isinstance(given, module.EncoderDecoderCache) else given
+            key, value = cache.update(key, value, self.layer_idx, **update_kwargs)  # set when a cache is used
+        attention = module.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, module.eager_attention_forward
+        )
         output, weights = attention(
             self,
             query,

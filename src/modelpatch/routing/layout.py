@@ -7,7 +7,9 @@ row (``position_ids`` restarting), and decode steps with a KV cache (``past_key_
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.utils import logging
@@ -41,11 +43,28 @@ class ForwardLayout:
     seq_len: int = 0  # positions of this forward per row (padding included)
 
 
+_SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature | None] = weakref.WeakKeyDictionary()
+
+
 def _signature_binder(module: torch.nn.Module):
+    """The signature of ``module.forward`` (``None`` if it has none), memoised per forward function (every record /
+    replay block asks for it)."""
+    forward = module.forward
+    func = getattr(forward, "__func__", None)
+    if func is not None and getattr(forward, "__self__", None) is module:
+        try:
+            return _SIGNATURES[func]
+        except (KeyError, TypeError):
+            pass
     try:
-        sig = inspect.signature(module.forward)
+        sig = inspect.signature(forward)
     except (TypeError, ValueError):
-        return None
+        sig = None
+    if func is not None and getattr(forward, "__self__", None) is module:
+        try:
+            _SIGNATURES[func] = sig
+        except TypeError:  # not weak-referenceable
+            pass
     return sig
 
 

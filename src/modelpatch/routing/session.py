@@ -47,7 +47,7 @@ from .compiled import (
 )
 from .errors import RoutingReplayError, RoutingTraceError
 from .kinds import _merge_forced
-from .layout import ForwardLayout, _signature_binder, layout_from_call
+from .layout import ForwardLayout, Slot, _signature_binder, layout_from_call
 from .measures import RoutingDriftMeter
 from .recompute import MARK as _MARK
 from .recompute import (
@@ -58,7 +58,7 @@ from .recompute import (
     is_bound,
     unbound_checkpoint_on_stack,
 )
-from .sites import RouterSite, find_router_sites, stack_owner
+from .sites import RouterSite, find_router_sites, stack_owner, submodule
 from .trace import RoutingTrace
 
 if TYPE_CHECKING:
@@ -148,11 +148,11 @@ class _SessionDriver:
         self._handles: list[RemovableHandle] = []
         self._last_seqs: list[int] = []
         # modules that may carry a checkpoint function around a router: every ancestor of every router
-        hosts: dict[int, nn.Module] = {}
+        hosts: dict[int, nn.Module] = {id(model): model}
         for s in self.sites:
-            parts = s.name.split(".")
-            for i in range(len(parts)):
-                m = model.get_submodule(".".join(parts[:i]))
+            m = model
+            for part in s.name.split(".")[:-1]:  # one level at a time (not get_submodule of each prefix)
+                m = submodule(m, part)
                 hosts.setdefault(id(m), m)
         self._hosts = list(hosts.values())
         self._bound_attrs: dict[tuple[int, str], tuple[nn.Module, str]] = {}
@@ -549,6 +549,7 @@ class ReplaySession(_SessionDriver):
             if device.type == "meta":
                 device = torch.device("cpu")
             self.rows[layer] = [t.to(device) for t in seqs]  # no copy on the same device; never modified
+        self.free_rows = {layer: trace.has_free_rows(layer) for layer in model_layers}  # "no route" rows
         self.lengths = trace.sequence_lengths
         self.cursor = [0] * len(self.lengths)
         self.closed = [False] * len(self.lengths)
@@ -589,6 +590,12 @@ class ReplaySession(_SessionDriver):
         self._last_seqs = seqs
 
     def _forced(self, site: RouterSite, num_tokens: int) -> torch.Tensor:
+        return self._forced_rows(site, num_tokens)[0]
+
+    def _forced_rows(self, site: RouterSite, num_tokens: int) -> tuple[torch.Tensor, bool]:
+        """``(forced, new)``: the ``(num_tokens, top_k)`` indices the trace gives this router call (``-1`` rows:
+        padding, a trace's "no route", a sequence's unrouted last token), and whether ``forced`` is a new tensor
+        holding only the trace's rows (``False``: a view of the trace's storage, or a tensor with padding rows)."""
         layout = self.layout
         if layout is None:
             raise RoutingReplayError(
@@ -601,17 +608,20 @@ class ReplaySession(_SessionDriver):
                 f"layer {site.layer_idx}: expected {layout.num_tokens} tokens at the router, received {num_tokens}"
             )
         rows = self.rows[site.layer_idx]
-        if len(layout.slots) == 1 and isinstance(layout.slots[0].rows, slice) and not layout.slots[0].pad_end:
-            slot = layout.slots[0]
+        slots = layout.slots
+        if len(slots) == 1 and isinstance(slots[0].rows, slice) and not slots[0].pad_end:
+            slot = slots[0]
             if slot.n == num_tokens:
-                return rows[slot.seq][slot.start : slot.start + slot.n]
+                return rows[slot.seq][slot.start : slot.start + slot.n], False
+        if _contiguous(slots, num_tokens):  # a batch without padding: one concatenation, no -1 fill
+            return torch.cat([rows[slot.seq][slot.start : slot.start + slot.n] for slot in slots]), True
         dense = torch.full((num_tokens, site.top_k), -1, dtype=torch.int64, device=rows[0].device if rows else None)
-        for slot in layout.slots:
+        for slot in slots:
             got = rows[slot.seq][slot.start : slot.start + slot.n - slot.pad_end]
             if slot.pad_end:
                 got = torch.cat([got, got.new_full((slot.pad_end, site.top_k), -1)])
             dense[slot.rows] = got
-        return dense
+        return dense, False
 
     def _route(
         self,
@@ -640,9 +650,11 @@ class ReplaySession(_SessionDriver):
         return site.kind.call(site, forward, args, kwargs, forced, _noop, measure)
 
     def compiled_route(self, site: RouterSite, natural: torch.Tensor) -> torch.Tensor:
-        forced = self._forced(site, natural.shape[0])
+        forced, new = self._forced_rows(site, natural.shape[0])
         if self.drift is not None:
             self.drift.add(site.layer_idx, natural, forced)
+        if new and not self.free_rows[site.layer_idx] and forced.device == natural.device:
+            return forced  # every row a route of the trace: nothing to merge, and no storage of the trace
         return _merge_forced(natural, forced)
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -688,6 +700,17 @@ class ReplaySession(_SessionDriver):
         ]
         if leftover:
             raise RoutingReplayError("leftover routes at the end of the replay block: " + "; ".join(leftover))
+
+
+def _contiguous(slots: list[Slot], num_tokens: int) -> bool:
+    """Whether the slots' rows are consecutive slices covering ``[0, num_tokens)`` with no unrouted last token."""
+    end = 0
+    for slot in slots:
+        rows = slot.rows
+        if not isinstance(rows, slice) or slot.pad_end or rows.start != end or rows.step not in (None, 1):
+            return False
+        end = rows.stop
+    return end == num_tokens
 
 
 @contextmanager

@@ -179,9 +179,8 @@ def find_router_sites(model: nn.Module) -> tuple[list[RouterSite], str, int]:
         sites = cached[0]
         types = {type(s.module) for s in sites}
         try:  # still the same routers at the same places, and no other router (one walk, no names)?
-            if all(model.get_submodule(s.name) is s.module for s in sites):
-                found = sum(1 for m in model.modules() if type(m) in types or _router_base(type(m)) is not None)
-                if found == len(sites):
+            if all(submodule(model, s.name) is s.module for s in sites):
+                if _count_routers(model, types) == len(sites):
                     return list(sites), cached[1], cached[2]
         except AttributeError:
             pass
@@ -221,6 +220,37 @@ def _experts_beside(model: nn.Module, name: str) -> int | None:
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     counts = [c for _, child in parent.named_children() if (c := experts_count(child)) is not None]
     return counts[0] if len(counts) == 1 else None
+
+
+def submodule(model: nn.Module, name: str) -> nn.Module:
+    """``model.get_submodule(name)``, through the ``_modules`` dictionaries where they hold the names (about ten
+    times faster; every record / replay block resolves its routers and their ancestors).
+
+    Raises:
+        AttributeError: as ``get_submodule``, if ``name`` is not a submodule.
+    """
+    module = model
+    for part in name.split(".") if name else ():
+        child = module._modules.get(part)
+        module = child if child is not None else module.get_submodule(part)
+    return module
+
+
+def _count_routers(model: nn.Module, types: set[type]) -> int:
+    """The number of distinct router modules in ``model``: of one of ``types`` (the routers found before, by name
+    or by structure) or of a known router base (what ``model.modules()`` walks, without building names)."""
+    seen: set[int] = set()
+    stack = [model]
+    count = 0
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if type(module) in types or _router_base(type(module)) is not None:
+            count += 1
+        stack.extend(child for child in module._modules.values() if child is not None)
+    return count
 
 
 def _discover(model: nn.Module) -> tuple[list[RouterSite], str, int]:
@@ -290,4 +320,4 @@ def _discover(model: nn.Module) -> tuple[list[RouterSite], str, int]:
 def stack_owner(model: nn.Module, stack_name: str) -> nn.Module:
     """The module owning the decoder-layer list (its forward sees input ids, attention mask, position ids)."""
     parent = stack_name.rpartition(".")[0]
-    return model.get_submodule(parent) if parent else model
+    return submodule(model, parent) if parent else model

@@ -286,6 +286,19 @@ class RoutingTrace:
         largest: int = self._decoded[key]  # the cache holds an int under ("max", layer)
         return largest
 
+    def has_free_rows(self, layer_idx: int) -> bool:
+        """Whether any token of layer ``layer_idx`` has the "no route" row (``-1``); read from the stored blocks,
+        without a pass over the ids.
+
+        Raises:
+            ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
+        """
+        if layer_idx not in self._blocks:
+            raise ModelpatchKeyError(
+                f"layer {layer_idx} is not an MoE layer of this trace (layers: {list(self.layers)})"
+            )
+        return any(b.free is not None for blocks in self._blocks[layer_idx] for b in blocks)
+
     def __contains__(self, layer_idx: object) -> bool:
         return layer_idx in self._blocks
 
