@@ -39,7 +39,7 @@ from transformers.utils import output_capturing as _capturing
 from transformers.utils.output_capturing import OutputRecorder
 
 from .errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
-from .integrations.imports import pretrained_model_class
+from .lazy_imports import pretrained_model_class
 from .patching.provenance import provenance
 from .undo import UndoStack
 

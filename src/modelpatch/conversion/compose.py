@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..integrations.imports import pretrained_model_class
+from ..lazy_imports import pretrained_model_class
 from ..patching.provenance import build_record
 from . import registry
 from .errors import ConversionError

@@ -21,7 +21,7 @@ scope or with user rules that leaves fused 3-D experts parameters in full precis
 (:func:`.quantized.warn_fused_experts_left`). The wrappers are installed when
 :mod:`modelpatch` is imported, or, if ``transformers.modeling_utils`` is not imported yet (it imports torchao,
 bitsandbytes, ... when installed: seconds and log lines that importing modelpatch must not cost), right after it is
-(:class:`~modelpatch.integrations.imports.PostImportHook`). :func:`uninstall` restores the originals.
+(:class:`~modelpatch.lazy_imports.PostImportHook`). :func:`uninstall` restores the originals.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import threading
 from types import ModuleType
 
-from ..integrations.imports import PostImportHook
+from ..lazy_imports import PostImportHook
 from ..patching.scopes import active_scopes
 from . import zero3
 from .compose import built_by_modelpatch, resolve_model_rules, transforms_in_force

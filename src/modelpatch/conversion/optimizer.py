@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelpatchTypeError
-from ..integrations.imports import pretrained_model_class
+from ..lazy_imports import pretrained_model_class
 from .compose import ResolvedRules, resolve_model_rules
 from .errors import ConversionError, OptimizerStateError
 from .loading import model_key

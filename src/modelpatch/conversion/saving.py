@@ -23,7 +23,7 @@ from transformers import core_model_loading as _tcml
 from transformers.utils import logging
 
 from ..errors import ModelpatchTypeError
-from ..integrations.imports import pretrained_model_class
+from ..lazy_imports import pretrained_model_class
 from .compose import compose_builtins, resolve_model_rules, rules_fitting_model
 from .errors import ConversionError
 from .plan import build_plan

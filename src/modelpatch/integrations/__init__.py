@@ -1,4 +1,5 @@
-"""Integrations with the libraries modelpatch works inside.
+"""Integrations with the libraries modelpatch works inside (each installed right after the module it wraps is
+imported: :class:`modelpatch.lazy_imports.PostImportHook`).
 
 ``transformers``  the wrappers on ``PreTrainedModel`` (``from_pretrained``, ``_from_config``, ``__init__``,
                   ``post_init``) and the output-recorder registry extension, with ``install()`` / ``uninstall()``;
@@ -14,8 +15,6 @@
 ``trainer``       ``transformers.Trainer``'s ``optimizer.pt`` in the original layout for patched models, converted on
                   resume (wrappers of ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``, installed
                   when ``transformers.trainer`` is imported)
-``imports``       :class:`~.imports.PostImportHook`: a callback right after another library's module is imported
-                  (used by ``peft`` and ``trainer``)
 ``trl``           :class:`~.trl.RoutingReplayGRPOTrainer`, GRPO with MoE routing replay (``pip install
                   "modelpatch[trl]"``; imported only when used)
 """

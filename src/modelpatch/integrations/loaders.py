@@ -31,7 +31,7 @@ modelpatch) replaces each function in its own module and in the modules that re-
 ``accelerate.utils``, ``accelerate.big_modeling``, ``accelerate.utils.bnb``, ``transformers.trainer``; those
 imported later take the wrapper from the module they import it from). A module not imported yet is not imported
 (``transformers.trainer_utils`` imports PEFT, bitsandbytes, ...: seconds and log lines): its function is wrapped
-right after it is imported (:class:`~.imports.PostImportHook`). Code that imported one of these names *before*
+right after it is imported (:class:`~modelpatch.lazy_imports.PostImportHook`). Code that imported one of these names *before*
 modelpatch keeps the original: import modelpatch first. Accelerate is optional: without it only the other
 two are wrapped. A name someone wrapped again after us is left alone. :func:`uninstall` restores the originals
 exactly, in every module that holds a wrapper.
@@ -57,7 +57,7 @@ import torch
 from ..conversion.errors import StateDictLayoutError
 from ..conversion.loaders import CheckpointConversion, analyse_checkpoint, loads_in_parts
 from ..conversion.state import get_state
-from .imports import PostImportHook
+from ..lazy_imports import PostImportHook
 
 __all__ = ["install", "uninstall", "installed"]
 

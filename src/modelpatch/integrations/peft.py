@@ -56,8 +56,8 @@ from transformers.utils import logging
 
 from ..conversion.compose import built_by_modelpatch, transforms_in_force
 from ..conversion.wrappers import register_wrapper_view, unwrapped_names, wrapper_bases
+from ..lazy_imports import PostImportHook
 from ..undo import UndoStack
-from .imports import PostImportHook
 
 __all__ = ["install", "uninstall", "installed", "TARGET_MODULE", "builtin_converters_in_force", "peft_wrapper_bases"]
 

@@ -40,8 +40,8 @@ from ..conversion.optimizer import (
     optimizer_state_dict_in_model_layout,
     original_optimizer_state_dict,
 )
+from ..lazy_imports import PostImportHook, pretrained_model_class
 from ..undo import UndoStack
-from .imports import PostImportHook, pretrained_model_class
 
 __all__ = ["install", "uninstall", "installed", "TARGET_MODULE"]
 

@@ -1,7 +1,7 @@
 """Automatic application: the registry is in force while Transformers builds a model.
 
 Installed once when :mod:`modelpatch` is imported (idempotent) or, while ``transformers.modeling_utils`` is not
-imported yet, right after it is (a :class:`~.imports.PostImportHook`: importing it costs seconds and imports
+imported yet, right after it is (a :class:`~modelpatch.lazy_imports.PostImportHook`: importing it costs seconds and imports
 torchao, bitsandbytes, ... when installed, which importing modelpatch must not do; no model can be built before
 it is imported), these thin wrappers are the only process-wide change modelpatch makes, and they are inert while the registry is empty and no block is
 open:
@@ -40,6 +40,7 @@ from ..conversion.saving import (
 )
 from ..conversion.unloaded import restore_pending_initial_values
 from ..errors import ModelpatchValueError
+from ..lazy_imports import PostImportHook
 from ..outputs import install_registry_extension, patch_output_recorders
 from ..patching.provenance import BuildRecord, build_record, provenance, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
@@ -49,7 +50,6 @@ from ..undo import UndoStack
 from . import loaders as loaders_integration
 from . import peft as peft_integration
 from . import trainer as trainer_integration
-from .imports import PostImportHook
 
 __all__ = ["install", "uninstall", "installed"]
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 from transformers import __version__ as transformers_version
 from transformers.utils import logging
 
-from ..errors import ModelpatchTypeError, ModelpatchValueError
+from ..errors import ModelpatchError, ModelpatchTypeError, ModelpatchValueError
 
 logger = logging.get_logger("modelpatch")
 
@@ -49,6 +49,11 @@ __all__ = [
     "isolated_patch_registry",
     "unknown_class_key_message",
 ]
+
+
+class UnmatchedPatchKeyError(ModelpatchError, ValueError):
+    """A strict build finished with patch keys that matched no class that was built, or a strict registration
+    got a key spelled like a class that none is (:func:`unknown_class_key_message`)."""
 
 
 @dataclass(frozen=True)
@@ -290,8 +295,6 @@ def register_patch_mapping(mapping: Mapping[str, type], overwrite: bool = False,
     validated = build_patch_mapping(mapping)  # type and pattern errors first
     messages = [m for m in map(unknown_class_key_message, validated.keys) if m is not None]
     if messages and (strict or registry.strict):
-        from .scopes import UnmatchedPatchKeyError
-
         raise UnmatchedPatchKeyError("\n".join(messages) + " (strict); nothing was registered")
     registry.register(validated, overwrite)
     for message in messages:

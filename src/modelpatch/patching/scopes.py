@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from transformers.utils import logging
 
-from ..errors import ModelpatchError, ModelpatchRuntimeError, ModelpatchTypeError
+from ..errors import ModelpatchRuntimeError, ModelpatchTypeError
 from .catalog import CATALOG, known_class_names
 from .interception import install_hook, uninstall_hook
 from .provenance import Replacement, build_record, provenance, set_provenance
-from .registry import PatchMapping, PatchRule
+from .registry import PatchMapping, PatchRule, UnmatchedPatchKeyError
 from .upstream import in_fusion_discovery
 
 if TYPE_CHECKING:
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
 logger = logging.get_logger("modelpatch")
 
 __all__ = ["PatchScope", "active_scopes", "UnmatchedPatchKeyError", "refresh_catalog"]
-
-
-class UnmatchedPatchKeyError(ModelpatchError, ValueError):
-    """A strict build finished with patch keys that matched no class that was built."""
 
 
 _STATS_LOCK = threading.Lock()
