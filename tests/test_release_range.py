@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 
@@ -29,6 +28,11 @@ from modelpatch.versions import (
     require,
 )
 from routing_coverage import CI_SCRIPT, ci_releases
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest depends on tomli before 3.11
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
@@ -68,7 +72,7 @@ def test_constraints_pin_every_requirement_for_each_release():
     script = CI_SCRIPT.read_text(encoding="utf-8")
     for release in ci_releases():
         name = f"constraints/transformers-{release.rsplit('.', 1)[0]}.txt"
-        assert f"-c {name} -e \".[test]\"" in script, name
+        assert f'-c {name} -e ".[test]"' in script, name
         pins = _pins(ROOT / name)
         assert pins["transformers"] == release
         assert required <= set(pins), (name, sorted(required - set(pins)))
