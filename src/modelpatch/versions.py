@@ -38,8 +38,9 @@ TESTED_TRANSFORMERS = SpecifierSet(">=5.23,<5.26")
 _RANGE_TEXT = "5.23 to 5.25 (transformers>=5.23,<5.26)"
 
 
-class UntestedTransformersWarning(UserWarning):
-    """The imported Transformers release is outside :data:`TESTED_TRANSFORMERS`."""
+class UntestedTransformersWarning(ModelpatchError, UserWarning):
+    """The imported Transformers release is outside :data:`TESTED_TRANSFORMERS` (a ``UserWarning``; also a
+    :class:`~modelpatch.ModelpatchError`, as every exception class of the package, for ``-W error`` runs)."""
 
 
 class UnsupportedTransformersError(ModelpatchError, ImportError):

@@ -15,7 +15,9 @@ open:
 * ``PreTrainedModel.save_pretrained`` of a quantized model that carries conversion state (and only of such a
   model) computes the original layout first (:func:`~modelpatch.conversion.saving.quantized_original_layout`),
   so that a layout that cannot be written exactly is refused before anything is written, then lets Transformers
-  write it as is.
+  write it as is;
+* ``PreTrainedModel.set_use_kernels`` (hub kernels, ``kernels.kernelize``) is followed by
+  :func:`~modelpatch.integrations.kernels.settle_kernels`: a hub kernel never silently replaces a patched forward.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ..patching.provenance import BuildRecord, build_record, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..undo import UndoStack
+from . import kernels as kernels_integration
 from . import loaders as loaders_integration
 from . import peft as peft_integration
 from . import trainer as trainer_integration
@@ -162,6 +165,14 @@ def install() -> None:
         )
         _installed.setattr(
             PreTrainedModel, "save_pretrained", _save_wrapper(vars(PreTrainedModel)["save_pretrained"]), raw=True
+        )
+        # hub kernels (kernels.kernelize) never silently replace a patched forward: see .kernels
+        original_set_use_kernels = vars(PreTrainedModel)["set_use_kernels"]
+        _installed.setattr(
+            PreTrainedModel,
+            "set_use_kernels",
+            kernels_integration.set_use_kernels_wrapper(original_set_use_kernels),
+            raw=True,
         )
 
 

@@ -21,10 +21,15 @@ __all__ = [
     "set_provenance",
     "build_record",
     "set_build_record",
+    "KernelDecision",
+    "kernel_decision",
+    "set_kernel_decision",
+    "hub_kernel_forward",
 ]
 
 _PROVENANCE_ATTR = "_modelpatch_replaced"
 _BUILD_ATTR = "_modelpatch_build"
+_KERNEL_ATTR = "_modelpatch_kernel"
 
 
 class _LiveScope(Protocol):
@@ -105,3 +110,37 @@ def build_record(model: object) -> BuildRecord | None:
 
 def set_build_record(model: object, record: BuildRecord) -> None:
     object.__setattr__(model, _BUILD_ATTR, record)
+
+
+@dataclass(frozen=True)
+class KernelDecision:
+    """A hub kernel (the ``kernels`` library's ``kernelize``, run by Transformers' ``use_kernels``) that met a
+    replaced module: the kernel for ``layer`` (the class's ``kernel_layer_name``) from ``repo``, and which forward
+    runs: ``"patch"`` (the replacement's own forward, kept by modelpatch) or ``"kernel"``."""
+
+    layer: str
+    repo: str
+    winner: str
+
+    def describe(self) -> str:
+        if self.winner == "patch":
+            return f"hub kernel {self.layer!r} ({self.repo}) not applied: the replacement's forward runs"
+        return f"hub kernel {self.layer!r} ({self.repo}) runs in place of the forward"
+
+
+def kernel_decision(module: object) -> KernelDecision | None:
+    """The :class:`KernelDecision` modelpatch took for ``module`` when Transformers kernelized its model, if any."""
+    return getattr(module, "__dict__", {}).get(_KERNEL_ATTR)
+
+
+def set_kernel_decision(module: object, decision: KernelDecision) -> None:
+    object.__setattr__(module, _KERNEL_ATTR, decision)
+
+
+def hub_kernel_forward(module: object) -> Any:
+    """The forward a hub kernel put on ``module`` itself (``kernelize`` assigns ``module.forward``), or ``None``
+    when the class's own forward runs."""
+    forward = getattr(module, "__dict__", {}).get("forward")
+    if forward is None or getattr(forward, "__func__", None) is getattr(type(module), "forward", None):
+        return None
+    return forward
