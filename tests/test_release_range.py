@@ -126,3 +126,29 @@ def test_a_missing_optional_dependency_names_its_extra(monkeypatch):
         import modelpatch.integrations.trl  # noqa: F401
     assert isinstance(raised.value, ImportError)
     assert require("json", "none", "a test").dumps([1]) == "[1]"
+
+
+def _bash_blocks(section: str) -> list[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    body = readme.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)```", body, re.DOTALL)
+
+
+def test_readme_install_and_test_commands_are_what_ci_runs():
+    # .ci/run runs the README's commands (quietly: pip -q), per release
+    script = [line.strip() for line in CI_SCRIPT.read_text(encoding="utf-8").splitlines()]
+
+    def in_ci(command: str) -> bool:
+        command = command.strip().replace("pip install ", "pip install -q ", 1)
+        return any(line == command or line.endswith(f" {command}") for line in script)
+
+    (install,) = _bash_blocks("Install")
+    assert all(in_ci(part) for part in install.split("&&")), install
+    test, other, *_ = _bash_blocks("Test")
+    assert in_ci(test) and test.strip() == "python -m pytest -q -n 2"
+    commands = [part for line in other.splitlines()[1:] for part in line.split("&&")]
+    assert commands and all(in_ci(part) for part in commands), other
+    for release in ci_releases():  # each release has its constraints install and its checked run in CI
+        minor = release.rsplit(".", 1)[0]
+        assert in_ci(f'pip install -c constraints/transformers-{minor}.txt -e ".[test]"'), release
+        assert in_ci(f"MODELPATCH_EXPECT_TRANSFORMERS={release} python -m pytest -q -n 2"), release
