@@ -153,3 +153,18 @@ def test_hub_kernels_off(checkpoint, monkeypatch):
     assert not model.use_kernels
     assert all(torch.equal(m(X), 3 * _rms(m)) for m in _norms(model).values())
     assert {r.kernel for r in patch_report(model).rows} == {None}
+
+
+def test_constructor_arguments_are_read_through_the_kernels_decorator():
+    # with kernels installed, Transformers' @use_kernelized_func replaces LlamaAttention.__init__ by a
+    # (self, *args, **kwargs) wrapper without functools.wraps: patch_model could not recover config / layer_idx
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from modelpatch.patching.interception import defining_init
+
+    wrapper = LlamaAttention.__init__
+    assert list(inspect.signature(wrapper).parameters) == ["self", "args", "kwargs"]
+    assert list(inspect.signature(defining_init(wrapper)).parameters) == ["self", "config", "layer_idx"]
+    assert defining_init(LlamaRMSNorm.__init__) is LlamaRMSNorm.__init__  # nothing wrapped

@@ -51,7 +51,7 @@ from .conversion.state import STATE_ATTR, ConversionState, get_state, set_state
 from .conversion.transfer import TransferRules, transfer_rules
 from .errors import ModelpatchError, ModelpatchRuntimeError, ModelpatchValueError
 from .patching.catalog import is_modeling_module_name
-from .patching.interception import unhooked_init
+from .patching.interception import defining_init, unhooked_init
 from .patching.provenance import Replacement, provenance, set_provenance
 from .patching.registry import PatchMapping, PatchRule, build_patch_mapping, registered_patch_mapping
 from .patching.scopes import UnmatchedPatchKeyError, _hint, _names_a_known_class, _resolve
@@ -460,7 +460,7 @@ def constructor_arguments(module: nn.Module, model: nn.Module, path: str) -> tup
     """
     cls = type(module)
     try:
-        signature = inspect.signature(cls.__init__)
+        signature = inspect.signature(defining_init(cls.__init__))
     except (TypeError, ValueError) as exc:
         raise InstancePatchError(f"cannot read the signature of {cls.__qualname__}.__init__: {exc}") from None
     args: list[Any] = []
