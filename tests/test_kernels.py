@@ -58,6 +58,10 @@ class TripledRMSNorm(LlamaRMSNorm):
     def forward(self, hidden_states):
         return 3 * super().forward(hidden_states)
 
+    @classmethod
+    def from_module(cls, original):  # for patch_model
+        return cls(original.weight.shape[0], eps=original.variance_epsilon)
+
 
 class CountingRMSNorm(LlamaRMSNorm):
     """A patch that keeps the original forward (adds a buffer-free attribute only)."""
@@ -168,3 +172,18 @@ def test_constructor_arguments_are_read_through_the_kernels_decorator():
     assert list(inspect.signature(wrapper).parameters) == ["self", "args", "kwargs"]
     assert list(inspect.signature(defining_init(wrapper)).parameters) == ["self", "config", "layer_idx"]
     assert defining_init(LlamaRMSNorm.__init__) is LlamaRMSNorm.__init__  # nothing wrapped
+
+
+def test_patch_model_over_a_kernel_says_the_patch_won(checkpoint):
+    from modelpatch import patch_model
+
+    with use_kernel_mapping(MAPPING):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, use_kernels=True)
+    assert torch.equal(model.model.norm(X), 2 * X)  # the kernel
+    with patch_model(model, {"LlamaRMSNorm": TripledRMSNorm}):
+        norm = model.model.norm
+        assert type(norm) is TripledRMSNorm and torch.equal(norm(X), 3 * _rms(norm))
+        assert {r.kernel for r in patch_report(model).rows} == {
+            "hub kernel 'RMSNorm' (local/doubled-rmsnorm) not applied: the replacement's forward runs"
+        }
+    assert torch.equal(model.model.norm(X), 2 * X)  # reverted: the original module, its kernel with it
