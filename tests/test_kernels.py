@@ -187,3 +187,25 @@ def test_patch_model_over_a_kernel_says_the_patch_won(checkpoint):
             "hub kernel 'RMSNorm' (local/doubled-rmsnorm) not applied: the replacement's forward runs"
         }
     assert torch.equal(model.model.norm(X), 2 * X)  # reverted: the original module, its kernel with it
+
+
+def test_an_instance_forward_that_is_no_kernel_is_left_alone(checkpoint):
+    # accelerate's hooks (device_map offload) also assign module.forward: only a kernels forward (recorded with its
+    # _kernel_repo) is a hub kernel; settle_kernels must not strip anything else
+    import functools
+
+    from modelpatch.integrations.kernels import settle_kernels
+
+    with apply_patches({"LlamaRMSNorm": TripledRMSNorm}):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, use_kernels=False)
+    norm = model.model.norm
+    calls = []
+
+    def hooked(module, hidden_states):
+        calls.append(hidden_states.shape)
+        return TripledRMSNorm.forward(module, hidden_states)
+
+    norm.forward = functools.partial(hooked, norm)
+    assert settle_kernels(model) == []
+    assert torch.equal(norm(X), 3 * _rms(norm)) and calls == [X.shape]
+    assert {r.kernel for r in patch_report(model).rows} == {None}

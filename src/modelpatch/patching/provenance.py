@@ -8,6 +8,7 @@ multiprocessing) and dies with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -138,9 +139,13 @@ def set_kernel_decision(module: object, decision: KernelDecision) -> None:
 
 
 def hub_kernel_forward(module: object) -> Any:
-    """The forward a hub kernel put on ``module`` itself (``kernelize`` assigns ``module.forward``), or ``None``
-    when the class's own forward runs."""
-    forward = getattr(module, "__dict__", {}).get("forward")
-    if forward is None or getattr(forward, "__func__", None) is getattr(type(module), "forward", None):
+    """The forward a hub kernel put on ``module`` itself, or ``None`` when the class's own forward runs.
+
+    ``kernels.kernelize`` assigns ``module.forward = MethodType(kernel.forward, module)`` and records the kernel's
+    repository in ``module._kernel_repo`` (kernels 0.18 and 0.19); other instance forwards (accelerate's hooks, a
+    fallback to the class's forward) are not kernels."""
+    own = getattr(module, "__dict__", {})
+    forward = own.get("forward")
+    if forward is None or "_kernel_repo" not in own or not isinstance(forward, MethodType):
         return None
-    return forward
+    return None if forward.__func__ is getattr(type(module), "forward", None) else forward
