@@ -152,3 +152,30 @@ def test_readme_install_and_test_commands_are_what_ci_runs():
         minor = release.rsplit(".", 1)[0]
         assert in_ci(f'pip install -c constraints/transformers-{minor}.txt -e ".[test]"'), release
         assert in_ci(f"MODELPATCH_EXPECT_TRANSFORMERS={release} python -m pytest -q -n 2"), release
+
+
+@pytest.mark.slow
+def test_import_warns_once_or_fails_strict_on_an_untested_release():
+    # a fresh process whose transformers reports another release (what pip allows with --no-deps, or an upgrade)
+    import os
+    import subprocess
+
+    script = (
+        "import warnings; warnings.simplefilter('always', UserWarning)\n"
+        "import transformers; transformers.__version__ = '5.26.0'\n"
+        "import modelpatch\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("MODELPATCH_STRICT_VERSION", None)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    warned = [line for line in run.stderr.splitlines() if "UntestedTransformersWarning" in line]
+    assert len(warned) == 1 and "tested with Transformers 5.23 to 5.25" in warned[0] and "not 5.26.0" in warned[0]
+    env["MODELPATCH_STRICT_VERSION"] = "1"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[-1] == (
+        "modelpatch.versions.UnsupportedTransformersError: modelpatch is tested with Transformers 5.23 to 5.25 "
+        "(transformers>=5.23,<5.26), not 5.26.0 (MODELPATCH_STRICT_VERSION=1); install a tested release: "
+        "pip install 'transformers>=5.23,<5.26'"
+    )
