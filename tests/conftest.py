@@ -22,3 +22,16 @@ def _clean_registry():
     clear_patch_mapping()
     set_strict_patching(False)
     assert modelpatch.patching.scopes.active_scopes() == ()
+
+
+def pytest_configure(config):
+    """``MODELPATCH_EXPECT_TRANSFORMERS=X`` (set by .ci/run for each release's venv): refuse to run the suite when
+    another Transformers release is imported, before a single test runs."""
+    import transformers
+
+    expected = os.environ.get("MODELPATCH_EXPECT_TRANSFORMERS")
+    if expected and transformers.__version__ != expected:
+        raise pytest.UsageError(
+            f"MODELPATCH_EXPECT_TRANSFORMERS={expected} but transformers {transformers.__version__} is imported "
+            f"(from {transformers.__file__}): install constraints/transformers-{expected.rsplit('.', 1)[0]}.txt"
+        )

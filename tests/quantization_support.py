@@ -21,10 +21,15 @@ from helpers import (
 )
 from modelpatch.cli.quantize import QUANTIZATIONS, dequantized_weight, is_quantized
 
+# bitsandbytes 0.50's 4-bit CPU packing (AVX-512-BF16 CPUs) needs in_features a multiple of 64 and out_features a
+# multiple of 32: the experts here are 64 wide (the helpers' tiny MoE experts are 32), so every quantizer runs on
+# every x86-64 CPU
+EXPERTS_64 = dict(moe_intermediate_size=64)
+
 # recipe -> tiny config (GQA; qwen2 with its q/k/v biases)
 CASES = {
-    "qwen2_moe-linear-experts": tiny_qwen2_moe_config,
-    "qwen3_moe-linear-experts": tiny_qwen3_moe_config,
+    "qwen2_moe-linear-experts": lambda **kw: tiny_qwen2_moe_config(**(EXPERTS_64 | kw)),
+    "qwen3_moe-linear-experts": lambda **kw: tiny_qwen3_moe_config(**(EXPERTS_64 | kw)),
     "mixtral-linear-experts": tiny_mixtral_config,
     "llama-fused-qkv": tiny_llama_config,
     "qwen2-fused-qkv": tiny_qwen2_config,
@@ -45,7 +50,12 @@ IDS = torch.tensor([[1, 5, 9, 17, 33, 64, 2, 7], [3, 4, 5, 6, 7, 8, 9, 10]])
 
 
 def quantization_config(name: str):
-    return QUANTIZATIONS[name].build()
+    config = QUANTIZATIONS[name].build()
+    if name == "bnb-4bit":
+        # bitsandbytes' 4-bit CPU packing cannot pack qwen2_moe's 1-output shared_expert_gate (out_features must be
+        # a multiple of 32 on AVX-512-BF16 CPUs): kept in full precision on every CPU, like lm_head
+        config.llm_int8_skip_modules = ["lm_head", "shared_expert_gate"]
+    return config
 
 
 def save_checkpoint(recipe: str, path) -> str:

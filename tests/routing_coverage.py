@@ -40,16 +40,21 @@ Rows = dict[str, tuple[bool, str, str]]
 
 
 def pinned_release() -> str:
-    """The Transformers release the ``test`` extra pins (what CI installs), read from pyproject.toml."""
-    found = re.findall(r'"transformers==([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    assert len(found) == 1, f"expected one transformers==X pin in pyproject.toml, found {found}"
-    return found[0]
+    """The Transformers release README.md's install command installs: the oldest one CI tests."""
+    return ci_releases()[0]
 
 
 def ci_releases() -> list[str]:
-    """Every Transformers release CI tests: the pinned one, and each ``transformers==X`` that .ci/run installs."""
-    extra = re.findall(r"transformers==([\d.]+)", CI_SCRIPT.read_text(encoding="utf-8"))
-    return sorted({pinned_release(), *extra}, key=_release_key)
+    """Every Transformers release CI tests: the ``transformers==X`` pin of each constraints file .ci/run installs
+    with (``constraints/transformers-5.2N.txt``), in version order."""
+    files = re.findall(r"-c (constraints/transformers-[\d.]+\.txt)", CI_SCRIPT.read_text(encoding="utf-8"))
+    releases = set()
+    for name in files:
+        pins = re.findall(r"^transformers==([\d.]+)$", (ROOT / name).read_text(encoding="utf-8"), re.MULTILINE)
+        assert len(pins) == 1, f"{name}: expected one transformers==X pin, found {pins}"
+        releases.add(pins[0])
+    assert releases, f"{CI_SCRIPT} installs no constraints/transformers-*.txt"
+    return sorted(releases, key=_release_key)
 
 
 def _release_key(release: str) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """The "Linear experts support" table of README.md: every model type with a ``@use_experts_implementation`` experts
 class, measured with the installed Transformers (see tests/linear_experts_support.py).
 
-With one of the releases CI tests installed (the pinned one; .ci/run runs this file again on each other release),
+With one of the releases CI tests installed (.ci/run runs the whole suite on each, in its own venv),
 that release's column must equal the measured one. ``MODELPATCH_REGENERATE_TABLES=1`` (or ``python
 tests/linear_experts_support.py --write``) replaces the installed release's column and leaves the others.
 """

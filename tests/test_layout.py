@@ -21,6 +21,7 @@ SRC = pathlib.Path(modelpatch.__file__).parent
 # component -> components it may import (besides itself). Top-down order of the package map.
 ALLOWED = {
     "errors": set(),
+    "versions": {"errors"},
     "undo": {"errors"},
     "lazy_imports": set(),
     "patching": {"errors", "undo"},
@@ -29,10 +30,22 @@ ALLOWED = {
     "routing": {"errors", "undo"},
     "blocks": {"errors", "undo", "patching", "conversion"},
     "instances": {"errors", "undo", "patching", "conversion"},
-    "integrations": {"errors", "undo", "lazy_imports", "patching", "outputs", "conversion", "routing", "blocks"},
+    "integrations": {
+        "errors",
+        "versions",
+        "undo",
+        "lazy_imports",
+        "patching",
+        "outputs",
+        "conversion",
+        "routing",
+        "blocks",
+    },
     "recipes": {"errors", "undo", "patching", "conversion", "blocks", "instances"},
+    "dev": {"errors", "versions"},
     "cli": {
         "errors",
+        "versions",
         "undo",
         "lazy_imports",
         "patching",

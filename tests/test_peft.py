@@ -299,3 +299,44 @@ def test_peft_module_imported_after_install_is_wrapped_when_imported():
         peft_integration.install()
     assert peft_integration._hook not in sys.meta_path
     assert saved.get_model_conversion_mapping is peft_integration._get_model_conversion_mapping
+
+
+# -- adding an adapter on every release: Transformers' gate or PEFT's own API ---------------------------------------
+def _release() -> tuple[int, int]:
+    import transformers
+
+    return tuple(int(part) for part in transformers.__version__.split(".")[:2])  # type: ignore[return-value]
+
+
+def test_add_adapter_takes_the_path_each_release_allows(checkpoints):
+    import importlib.metadata
+
+    from peft import inject_adapter_in_model
+
+    # Transformers 5.23 asks PEFT >= 0.20.0 for its adapter methods, 5.24 and 5.25 ask 0.22.0
+    required = "0.20.0" if _release() < (5, 24) else "0.22.0"
+    installed = importlib.metadata.version("peft")
+    gate_open = tuple(map(int, installed.split("."))) >= tuple(map(int, required.split(".")))
+    assert peft_integration.transformers_adapter_gate() == (gate_open, required, installed)
+    if installed == "0.21.2":  # the PEFT release the constraints pin on every release: 5.23 open, 5.24+ closed
+        assert gate_open == (_release() < (5, 24))
+
+    config = dict(r=4, target_modules=["q_proj", "qkv_proj"], init_lora_weights=False)
+    model = _patched(checkpoints, "qwen2_moe")  # a patched model (fused qkv_proj): the adapter targets its modules
+    torch.manual_seed(1)
+    path = peft_integration.add_adapter(model, LoraConfig(**config))
+    assert path == ("transformers" if gate_open else "peft")
+    # the same as PEFT's own injection with the same seed, and active
+    reference = _patched(checkpoints, "qwen2_moe")
+    torch.manual_seed(1)
+    inject_adapter_in_model(LoraConfig(**config), reference)
+    assert _lora_tensors(model).keys() == _lora_tensors(reference).keys() != set()
+    assert all(torch.equal(v, _lora_tensors(reference)[k]) for k, v in _lora_tensors(model).items())
+    assert torch.equal(_logits(model.eval()), _logits(reference.eval()))
+    assert not torch.allclose(_logits(model), _logits(_patched(checkpoints, "qwen2_moe")), atol=1e-4)
+    assert model._hf_peft_config_loaded and list(model.peft_config) == ["default"]
+    with pytest.raises(ValueError, match="already"):
+        peft_integration.add_adapter(model, LoraConfig(**config))
+    if not gate_open:  # what the helper goes around: Transformers' own call refuses, naming the version
+        with pytest.raises(ValueError, match=required.replace(".", r"\.")):
+            _patched(checkpoints, "qwen2_moe").add_adapter(LoraConfig(**config))

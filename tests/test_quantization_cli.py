@@ -142,3 +142,36 @@ def test_half_precision_doubles_the_quantized_tolerance(qwen3_moe, capsys):
     output = report["quantization"]["output"]
     assert code == 0 and output["atol"] == 0.1 and output["max_abs_diff_to_full_precision"] <= 0.1
     assert report["quantization"]["census"]["expert_linear_quantized"] == 24
+
+
+def test_bnb_4bit_on_layers_bitsandbytes_cannot_pack_is_one_line(tmp_path, capsys):
+    """bitsandbytes 0.50's 4-bit CPU packing (AVX-512-BF16 CPUs) crashed the first forward of 32-input expert
+    Linears (``shape '[64, 0]' is invalid``, a traceback); where it packs, verify says so in one line (exit 2)."""
+    from bitsandbytes.functional import has_avx512bf16
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tiny_qwen3_moe_config
+    from modelpatch.cli.quantize import bnb_cpu_packing_problem
+    from modelpatch.recipes import get_recipe
+
+    AutoModelForCausalLM.from_config(tiny_qwen3_moe_config()).save_pretrained(tmp_path)  # experts 32 wide
+    with get_recipe("qwen3_moe-linear-experts").apply():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("bnb-4bit")[1])
+    expected = (
+        "bitsandbytes cannot pack 'model.layers.0.mlp.experts.0.down_proj' (32 inputs, 64 outputs) for its 4-bit CPU "
+        "kernels on this machine (AVX-512-BF16): they need in_features a multiple of 64 and out_features a multiple "
+        "of 32"
+    )
+    assert bnb_cpu_packing_problem(model, packing=True) == expected  # the rule, on every CPU
+    assert bnb_cpu_packing_problem(model, packing=False) is None
+    capsys.readouterr()
+    code = main(
+        ["verify", "--model", str(tmp_path), "--recipe", "qwen3_moe-linear-experts", "--quantization", "bnb-4bit"]
+        + ["--no-progress"]
+    )
+    captured = capsys.readouterr()
+    if has_avx512bf16():  # where bitsandbytes packs
+        assert code == 2
+        assert captured.err == f"modelpatch: error: --quantization bnb-4bit: {expected}\n"  # one line
+    else:  # bitsandbytes' unpacked CPU path runs these layers
+        assert code == 0, captured.out

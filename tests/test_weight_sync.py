@@ -29,6 +29,7 @@ from helpers import (
 from modelpatch import ConversionError, ModelpatchError, iter_original_state_dict
 from modelpatch.conversion import OriginalLayoutIterator
 from modelpatch.conversion.state import get_state
+from modelpatch.integrations.peft import add_adapter
 from modelpatch.recipes import get_recipe
 
 FAMILIES = {
@@ -267,7 +268,7 @@ def test_refusals_name_what_is_wrong(checkpoints):
 
 def test_model_with_adapters_loaded_through_transformers_is_refused():
     plain = _built("llama")
-    plain.add_adapter(LoraConfig(r=4, target_modules=["q_proj"]))
+    add_adapter(plain, LoraConfig(r=4, target_modules=["q_proj"]))  # model.add_adapter, or PEFT's API on 5.24+
     with pytest.raises(ModelpatchError, match="save_pretrained writes the adapter only"):
         iter_original_state_dict(plain)
 

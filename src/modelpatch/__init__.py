@@ -14,6 +14,8 @@ changed.
 
 from typing import Any
 
+import transformers as _transformers
+
 from .blocks import apply_patches
 from .conversion import (
     Chunk,
@@ -61,7 +63,9 @@ from .patching.registry import (
 from .patching.report import PatchReport, PatchRow, patch_report
 from .patching.scopes import PatchScope, UnmatchedPatchKeyError
 from .patching.upstream import FusionConflictError
+from .versions import check_transformers_release as _check_transformers_release
 
+_check_transformers_release(_transformers.__version__)  # one warning outside the tested range (strict: an error)
 _install()
 
 __version__ = "0.1.0"

@@ -51,8 +51,15 @@ from .conversion.state import STATE_ATTR, ConversionState, get_state, set_state
 from .conversion.transfer import TransferRules, transfer_rules
 from .errors import ModelpatchError, ModelpatchRuntimeError, ModelpatchValueError
 from .patching.catalog import is_modeling_module_name
-from .patching.interception import unhooked_init
-from .patching.provenance import Replacement, provenance, set_provenance
+from .patching.interception import defining_init, unhooked_init
+from .patching.provenance import (
+    KernelDecision,
+    Replacement,
+    hub_kernel_forward,
+    provenance,
+    set_kernel_decision,
+    set_provenance,
+)
 from .patching.registry import PatchMapping, PatchRule, build_patch_mapping, registered_patch_mapping
 from .patching.scopes import UnmatchedPatchKeyError, _hint, _names_a_known_class, _resolve
 from .undo import ABSENT, UndoStack
@@ -468,7 +475,7 @@ def constructor_arguments(module: nn.Module, model: nn.Module, path: str) -> tup
     """
     cls = type(module)
     try:
-        signature = inspect.signature(cls.__init__)
+        signature = inspect.signature(defining_init(cls.__init__))
     except (TypeError, ValueError) as exc:
         raise InstancePatchError(f"cannot read the signature of {cls.__qualname__}.__init__: {exc}") from None
     args: list[Any] = []
@@ -952,6 +959,11 @@ def _swap(model: nn.Module, patch: ModelPatch, target: _Target, transfer: Transf
     set_provenance(
         replacement, Replacement(type(original), type(replacement), target.rule.key, target.arguments, "patch_model")
     )
+    if hub_kernel_forward(original) is not None:  # the swap drops a hub kernel: the report says so
+        layer = str(getattr(type(original), "kernel_layer_name", "?"))
+        repo = vars(original).get("_kernel_repo")
+        decision = KernelDecision(layer, str(repo) if repo is not None else "unknown repository", "patch")
+        set_kernel_decision(replacement, decision)
     patch._undo.setattr(parent, name, replacement)
     patch._swaps.append(swap)
     patch._recorded.update(moved.recorded)

@@ -8,6 +8,8 @@ imported: :class:`modelpatch.lazy_imports.PostImportHook`).
                   PEFT's adapter conversion (per-expert LoRA targets and weights kept), and PEFT's LoRA layers are
                   seen through when a patched base model is saved; wrappers on PEFT's lazily imported
                   ``peft.utils.transformers_weight_conversion``, installed when it is imported
+``kernels``       hub kernels (``kernels.kernelize``, Transformers' ``use_kernels``) never silently replace a patched
+                  forward: after ``set_use_kernels`` the patch or the kernel wins by rule, recorded for the report
 ``loaders``       the checkpoint loaders of other libraries on patched models (Transformers'
                   ``load_sharded_checkpoint``, accelerate's ``load_checkpoint_in_model``, ``safetensors.torch.
                   load_model``): the original layout loads exactly, or is refused before anything is written;

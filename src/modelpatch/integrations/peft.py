@@ -49,6 +49,7 @@ from __future__ import annotations
 import sys
 import threading
 from types import ModuleType
+from typing import Any
 
 import torch.nn as nn
 from transformers import core_model_loading as _tcml
@@ -56,10 +57,21 @@ from transformers.utils import logging
 
 from ..conversion.compose import built_by_modelpatch, transforms_in_force
 from ..conversion.wrappers import register_wrapper_view, unwrapped_names, wrapper_bases
+from ..errors import ModelpatchTypeError, ModelpatchValueError
 from ..lazy_imports import PostImportHook
 from ..undo import UndoStack
+from ..versions import require
 
-__all__ = ["install", "uninstall", "installed", "TARGET_MODULE", "builtin_converters_in_force", "peft_wrapper_bases"]
+__all__ = [
+    "install",
+    "uninstall",
+    "installed",
+    "TARGET_MODULE",
+    "builtin_converters_in_force",
+    "peft_wrapper_bases",
+    "add_adapter",
+    "transformers_adapter_gate",
+]
 
 logger = logging.get_logger("modelpatch.integrations.peft")
 
@@ -164,6 +176,76 @@ def peft_wrapper_bases(model: nn.Module) -> dict[str, str]:
         if relative is not None:
             found[name] = relative
     return found
+
+
+# -- adding an adapter on every Transformers release ----------------------------------------------------------------
+def transformers_adapter_gate() -> tuple[bool, str, str]:
+    """``(open, required, installed)``: whether Transformers' adapter methods (``add_adapter``, ``set_adapter``,
+    ``active_adapters()``, ...) accept the installed PEFT: they refuse a PEFT older than Transformers'
+    ``MIN_PEFT_VERSION`` (0.20.0 in 5.23, 0.22.0 from 5.24 on), while ``load_adapter`` and PEFT's own API
+    (``get_peft_model``, ``inject_adapter_in_model``) work with it.
+
+    Raises:
+        MissingDependencyError: PEFT is not installed (``pip install 'modelpatch[peft]'``).
+    """
+    import importlib.metadata
+
+    from packaging.version import Version
+    from transformers.integrations.peft import MIN_PEFT_VERSION
+
+    require("peft", "peft", "Adapters (PEFT)")
+    installed = importlib.metadata.version("peft")
+    return Version(installed) >= Version(MIN_PEFT_VERSION), MIN_PEFT_VERSION, installed
+
+
+def add_adapter(model: Any, adapter_config: Any, adapter_name: str | None = None) -> str:
+    """Add a fresh adapter to ``model`` (a ``PreTrainedModel``) and activate it, as ``model.add_adapter`` does, on
+    every Transformers release modelpatch is tested with, whatever PEFT release Transformers' gate asks for.
+
+    With a PEFT that Transformers accepts this is ``model.add_adapter(adapter_config, adapter_name)``. Transformers
+    5.24+ require PEFT 0.22.0 there; with an older PEFT (0.21.2 is the newest this project's registry has) the same
+    is done through PEFT's own API: ``peft.inject_adapter_in_model`` (what ``add_adapter`` calls), then every tuner
+    layer's ``set_adapter``, and ``model.peft_config`` / ``_hf_peft_config_loaded`` set as ``add_adapter`` sets them
+    (so ``save_pretrained``, ``iter_original_state_dict`` and the optimizer checkpoint see a model with adapters
+    loaded through Transformers). Transformers' other adapter methods still refuse such a PEFT.
+
+    Args:
+        model: the model; patched or not.
+        adapter_config: a ``peft.PeftConfig`` of a non-prompt-learning method (LoRA, IA3, ...).
+        adapter_name: default ``"default"``.
+
+    Returns:
+        ``"transformers"`` or ``"peft"``: the path taken.
+
+    Raises:
+        MissingDependencyError: PEFT is not installed (``pip install 'modelpatch[peft]'``).
+        ModelpatchTypeError: ``adapter_config`` is not a ``PeftConfig``.
+        ModelpatchValueError: an adapter of that name exists.
+    """
+    gate_open, _, _ = transformers_adapter_gate()
+    if gate_open:
+        model.add_adapter(adapter_config, adapter_name)
+        return "transformers"
+    from peft import PeftConfig, inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    name = adapter_name or "default"
+    if not isinstance(adapter_config, PeftConfig):
+        raise ModelpatchTypeError(f"adapter_config must be a peft.PeftConfig, got {type(adapter_config).__name__}")
+    loaded = getattr(model, "peft_config", {}) if getattr(model, "_hf_peft_config_loaded", False) else {}
+    if name in loaded:
+        raise ModelpatchValueError(f"{type(model).__name__} already has an adapter named {name!r}; pick another name")
+    adapter_config.base_model_name_or_path = model.__dict__.get("name_or_path", None)
+    inject_adapter_in_model(adapter_config, model, name)
+    model._hf_peft_config_loaded = True
+    if not isinstance(getattr(model, "peft_config", None), dict):
+        model.peft_config = {}
+    model.peft_config.setdefault(name, adapter_config)
+    for module in model.modules():
+        if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper)):
+            module.set_adapter(name)
+    return "peft"
 
 
 _hook = PostImportHook(TARGET_MODULE, _wrap)

@@ -17,7 +17,9 @@ open:
 * ``PreTrainedModel.save_pretrained`` of a quantized model that carries conversion state (and only of such a
   model) computes the original layout first (:func:`~modelpatch.conversion.saving.quantized_original_layout`),
   so that a layout that cannot be written exactly is refused before anything is written, then lets Transformers
-  write it as is.
+  write it as is;
+* ``PreTrainedModel.set_use_kernels`` (hub kernels, ``kernels.kernelize``) is followed by
+  :func:`~modelpatch.integrations.kernels.settle_kernels`: a hub kernel never silently replaces a patched forward.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..patching.upstream import fusion_conflicts_checked, in_fusion_discovery
 from ..undo import UndoStack
+from . import kernels as kernels_integration
 from . import loaders as loaders_integration
 from . import peft as peft_integration
 from . import trainer as trainer_integration
@@ -191,6 +194,9 @@ def _wrap(module: ModuleType) -> None:
         _installed.setattr(pretrained, "__init__", _init_wrapper(vars(pretrained)["__init__"]), raw=True)
         _installed.setattr(pretrained, "post_init", _post_init_wrapper(vars(pretrained)["post_init"]), raw=True)
         _installed.setattr(pretrained, "save_pretrained", _save_wrapper(vars(pretrained)["save_pretrained"]), raw=True)
+        if "set_use_kernels" in vars(pretrained):  # hub kernels never silently replace a patched forward: .kernels
+            wrapper = kernels_integration.set_use_kernels_wrapper(vars(pretrained)["set_use_kernels"])
+            _installed.setattr(pretrained, "set_use_kernels", wrapper, raw=True)
 
 
 _hook = PostImportHook(TARGET_MODULE, _wrap)

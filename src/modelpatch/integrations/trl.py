@@ -30,10 +30,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from trl import GRPOTrainer
 
 from ..errors import ModelpatchValueError
 from ..routing import RoutingDriftMeter, RoutingTrace, record_routing, replay_routing
+from ..versions import missing_dependency
+
+try:
+    from trl import GRPOTrainer
+except ModuleNotFoundError as exc:
+    raise missing_dependency(exc, "trl", "trl", "modelpatch.integrations.trl (RoutingReplayGRPOTrainer)") from None
 
 __all__ = ["RoutingReplayGRPOTrainer", "SampleRoutes", "ROUTES_KEY"]
 

@@ -18,6 +18,7 @@ import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .interception import defining_init
 from .registry import PatchRule
 
 __all__ = ["Conflict", "classes_built_by", "find_conflicts"]
@@ -58,7 +59,7 @@ def _code_names(code: types.CodeType) -> set[str]:
 def classes_built_by(container: type) -> frozenset[type]:
     """Classes that ``container.__init__`` may construct directly (by global name or module table)."""
     init = vars(container).get("__init__")
-    code = getattr(init, "__code__", None)
+    code = getattr(defining_init(init), "__code__", None) if init is not None else None
     module = sys.modules.get(container.__module__)
     if code is None or module is None:
         return frozenset()

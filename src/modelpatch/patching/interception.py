@@ -34,7 +34,7 @@ from ..errors import ModelpatchTypeError
 from ..undo import UndoStack
 from .upstream import is_upstream_fused, record_fusion_conflict
 
-__all__ = ["install_hook", "uninstall_hook", "hooked_classes", "unhooked_init"]
+__all__ = ["install_hook", "uninstall_hook", "hooked_classes", "unhooked_init", "defining_init"]
 
 # Original classes whose replacement is being built in this context: a replacement may build the
 # original it wraps, which must then be the original.
@@ -93,6 +93,37 @@ def unhooked_init(cls: type):
     also a target in some scope is built as itself, so swaps such as A -> B, B -> A work)."""
     entry = _hooks.get(cls)
     return entry[2] if entry is not None else cls.__init__  # type: ignore[misc]  # the class's own, unbound
+
+
+# Free variables under which a decorator's ``__init__`` wrapper keeps the ``__init__`` it wraps without
+# ``functools.wraps``: the ``kernels`` library's ``use_kernelized_func`` (Transformers decorates attention classes
+# with it when ``kernels`` is installed) replaces ``cls.__init__`` by ``new_init(self, *args, **kwargs)``.
+_WRAPPED_INIT_NAMES = ("orig_init",)
+
+
+def defining_init(init: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``__init__`` function that defines the signature and the code of ``init``: through ``functools.wraps``
+    (``__wrapped__``, modelpatch's hooks included) and through decorators that keep the wrapped ``__init__`` in a
+    closure without it (:data:`_WRAPPED_INIT_NAMES`). ``init`` itself when it wraps nothing."""
+    seen: set[int] = set()
+    while id(init) not in seen:
+        seen.add(id(init))
+        inner = getattr(init, "__wrapped__", None)
+        code = getattr(init, "__code__", None)
+        if inner is None and code is not None and init.__closure__ is not None:
+            cells = dict(zip(code.co_freevars, init.__closure__))
+            for name in _WRAPPED_INIT_NAMES:
+                try:
+                    candidate = cells[name].cell_contents if name in cells else None
+                except ValueError:  # an empty cell
+                    candidate = None
+                if callable(candidate):
+                    inner = candidate
+                    break
+        if inner is None:
+            return init
+        init = inner
+    return init
 
 
 def install_hook(target: type, lookup: Lookup) -> None:

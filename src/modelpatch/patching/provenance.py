@@ -8,6 +8,7 @@ multiprocessing) and dies with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -21,10 +22,15 @@ __all__ = [
     "set_provenance",
     "build_record",
     "set_build_record",
+    "KernelDecision",
+    "kernel_decision",
+    "set_kernel_decision",
+    "hub_kernel_forward",
 ]
 
 _PROVENANCE_ATTR = "_modelpatch_replaced"
 _BUILD_ATTR = "_modelpatch_build"
+_KERNEL_ATTR = "_modelpatch_kernel"
 
 
 class _LiveScope(Protocol):
@@ -105,3 +111,41 @@ def build_record(model: object) -> BuildRecord | None:
 
 def set_build_record(model: object, record: BuildRecord) -> None:
     object.__setattr__(model, _BUILD_ATTR, record)
+
+
+@dataclass(frozen=True)
+class KernelDecision:
+    """A hub kernel (the ``kernels`` library's ``kernelize``, run by Transformers' ``use_kernels``) that met a
+    replaced module: the kernel for ``layer`` (the class's ``kernel_layer_name``) from ``repo``, and which forward
+    runs: ``"patch"`` (the replacement's own forward, kept by modelpatch) or ``"kernel"``."""
+
+    layer: str
+    repo: str
+    winner: str
+
+    def describe(self) -> str:
+        if self.winner == "patch":
+            return f"hub kernel {self.layer!r} ({self.repo}) not applied: the replacement's forward runs"
+        return f"hub kernel {self.layer!r} ({self.repo}) runs in place of the forward"
+
+
+def kernel_decision(module: object) -> KernelDecision | None:
+    """The :class:`KernelDecision` modelpatch took for ``module`` when Transformers kernelized its model, if any."""
+    return getattr(module, "__dict__", {}).get(_KERNEL_ATTR)
+
+
+def set_kernel_decision(module: object, decision: KernelDecision) -> None:
+    object.__setattr__(module, _KERNEL_ATTR, decision)
+
+
+def hub_kernel_forward(module: object) -> Any:
+    """The forward a hub kernel put on ``module`` itself, or ``None`` when the class's own forward runs.
+
+    ``kernels.kernelize`` assigns ``module.forward = MethodType(kernel.forward, module)`` and records the kernel's
+    repository in ``module._kernel_repo`` (kernels 0.18 and 0.19); other instance forwards (accelerate's hooks, a
+    fallback to the class's forward) are not kernels."""
+    own = getattr(module, "__dict__", {})
+    forward = own.get("forward")
+    if forward is None or "_kernel_repo" not in own or not isinstance(forward, MethodType):
+        return None
+    return None if forward.__func__ is getattr(type(module), "forward", None) else forward

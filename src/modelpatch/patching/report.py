@@ -9,7 +9,7 @@ from typing import Any
 import torch.nn as nn
 
 from .conflicts import Conflict
-from .provenance import build_record, provenance
+from .provenance import KernelDecision, build_record, hub_kernel_forward, kernel_decision, provenance
 from .upstream import UpstreamFusion, upstream_fusions
 
 __all__ = ["PatchRow", "PatchReport", "patch_report", "add_conversion_reader"]
@@ -25,6 +25,9 @@ class PatchRow:
     key: str
     via: str = "build"
     """``"build"`` (replaced while the model was built) or ``"patch_model"`` (swapped into the built model)."""
+    kernel: str | None = None
+    """A hub kernel that met this module (Transformers' ``use_kernels``): which forward runs, the replacement's or
+    the kernel's (see :mod:`modelpatch.integrations.kernels`); ``None`` when no kernel is involved."""
 
 
 @dataclass
@@ -55,6 +58,7 @@ class PatchReport:
                     "replacement": _qualname(r.replacement),
                     "key": r.key,
                     "via": r.via,
+                    "kernel": r.kernel,
                 }
                 for r in self.rows
             ],
@@ -79,6 +83,8 @@ class PatchReport:
         for r in self.rows:
             via = "  (patch_model)" if r.via == "patch_model" else ""
             lines.append(f"  {r.path:<{width}}  {r.original.__name__} -> {_qualname(r.replacement)}  [{r.key}]{via}")
+            if r.kernel is not None:
+                lines.append(f"  {'':<{width}}  {r.kernel}")
         if self.unmatched_keys:
             lines.append(f"keys that replaced nothing: {', '.join(self.unmatched_keys)}")
         if self.not_applicable_keys:
@@ -90,6 +96,17 @@ class PatchReport:
             for u in self.upstream:
                 lines.append(f"  {u.path:<{width}}  {u.original.__name__} -> {u.fused.__name__}  [{u.fusion}]")
         return "\n".join(lines)
+
+
+def _kernel_note(module: nn.Module) -> str | None:
+    """Which forward runs where a hub kernel met ``module``: read live (a ``kernels.kernelize`` called directly, past
+    Transformers, shows too), else what modelpatch decided when Transformers kernelized the model."""
+    if hub_kernel_forward(module) is not None:
+        layer = getattr(type(module), "kernel_layer_name", "?")
+        repo = vars(module).get("_kernel_repo")
+        return KernelDecision(str(layer), str(repo) if repo is not None else "unknown repository", "kernel").describe()
+    decision = kernel_decision(module)
+    return decision.describe() if decision is not None and decision.winner == "patch" else None
 
 
 def _qualname(cls: type) -> str:
@@ -114,7 +131,8 @@ def patch_report(model: nn.Module) -> PatchReport:
         found = provenance(module)
         if found is not None:
             via = getattr(found, "via", "build")
-            report.rows.append(PatchRow(path or "<root>", found.original, found.replacement, found.key, via))
+            row = PatchRow(path or "<root>", found.original, found.replacement, found.key, via, _kernel_note(module))
+            report.rows.append(row)
     record = build_record(model)
     if record is not None:
         if record.unmatched is not None:
