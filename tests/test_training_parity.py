@@ -72,11 +72,32 @@ def _assert_exact(result: dict[str, tp.Parity], optimizers: list[str], what: str
         assert max(parity.moved.values()) > 20 * _bound(name), (what, name)  # the steps did move the weights
 
 
+def _assert_exact_in_float64(model_type: str, text_type: str) -> None:
+    """A family beyond the fp32 bound (Adam turns fp32 rounding of near-zero gradients into steps of up to lr:
+    longcat_flash on 5.25, AdamW 5.5e-5 at lr 1e-3 against 2 x 1.9e-5 between two unpatched runs) must train like
+    the original in float64, where rounding is ~2e-9 of fp32's: within the fp32 bound times 1e-4, as ``modelpatch
+    verify --train`` tells fp32 rounding from a real difference."""
+    exact = tp.run_pair(
+        model_type,
+        f"{model_type}-linear-experts",
+        ["sgd", "adamw"],
+        text_type=text_type,
+        load_kwargs={"dtype": torch.float64, "experts_implementation": "eager"},  # grouped_mm has no float64
+    )
+    for name, parity in exact.items():
+        assert parity.keys_equal and not parity.none_grads, (model_type, name, parity.none_grads[:4])
+        assert parity.max_diff <= 1e-4 * _bound(name), (model_type, name, "float64", parity.worst())
+        assert max(parity.moved.values()) > 20 * _bound(name), (model_type, name)
+
+
 @pytest.mark.parametrize(("model_type", "text_type"), FAMILIES, ids=[mt for mt, _ in FAMILIES])
 def test_linear_experts_family_trains_like_the_original(model_type, text_type):
     result = tp.run_pair(model_type, f"{model_type}-linear-experts", ["sgd"], text_type=text_type)
     result |= tp.run_pair(model_type, f"{model_type}-linear-experts", ["adamw"], text_type=text_type, noise=BATCHED_MM)
-    _assert_exact(result, ["sgd", "adamw"], model_type)
+    try:
+        _assert_exact(result, ["sgd", "adamw"], model_type)
+    except AssertionError:
+        _assert_exact_in_float64(model_type, text_type)
     # one Adafactor step: the same gradients, so only the statistics of the tensors experts are fused into differ
     (adafactor,) = tp.run_pair(
         model_type, f"{model_type}-linear-experts", ["adafactor-eps1e-4"], text_type=text_type, steps=1
