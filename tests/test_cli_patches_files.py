@@ -447,6 +447,59 @@ def test_attention_that_ignores_the_mask_fails_the_padding_check(llama, tmp_path
     )
 
 
+def test_one_new_token_decodes_nothing_so_the_cache_checks_are_skipped(llama, tmp_path, capsys):
+    """--new-tokens 1 runs the prefill only: an attention that drops the mask on decode steps passed the cache
+    checks ("prefill 12 + 0 decode step(s)", exit 0); with no decode step they are skipped, never ok."""
+    patches = write(
+        tmp_path / "decode_without_mask.py",
+        """
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class DecodeWithoutMask(LlamaAttention):
+            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+                if hidden_states.shape[1] == 1:
+                    attention_mask = None
+                return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+        PATCH_MAPPING = {"LlamaAttention": DecodeWithoutMask}
+        """,
+    )
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "cache"]
+    _, report = run_json(capsys, [*argv, "--new-tokens", "1"])
+    paths = {p["name"]: p for p in report["paths"]}
+    for kind in ("dynamic", "static"):
+        assert paths[f"cache ({kind})"]["status"] == "skipped"
+        assert "no decode step: --new-tokens 1" in paths[f"cache ({kind})"]["detail"]
+    code, report = run_json(capsys, [*argv, "--new-tokens", "2"])
+    assert code == 1 and {p["name"]: p["status"] for p in report["paths"]}["cache (dynamic)"] == "FAIL"
+
+
+def test_round_trip_fails_when_the_save_writes_keys_a_plain_load_drops(llama, tmp_path, capsys):
+    """A replacement with a parameter of its own: the save writes self_attn.gain, which a plain Transformers load
+    drops as unexpected; the state dicts after that load agree, yet the round trip is not bit-exact."""
+    patches = write(
+        tmp_path / "gain.py",
+        """
+        import torch
+        from torch import nn
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class GainAttention(LlamaAttention):
+            def __init__(self, config, layer_idx):
+                super().__init__(config, layer_idx)
+                self.gain = nn.Parameter(torch.ones(1))
+
+        PATCH_MAPPING = {"LlamaAttention": GainAttention}
+        """,
+    )
+    code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
+    assert code == 1
+    trip = report["round_trip"]
+    assert trip["bit_exact"] is False
+    assert trip["first_difference"].startswith("a plain load of the save reports keys the checkpoint's load does not")
+    assert "model.layers.0.self_attn.gain" in trip["first_difference"]
+
+
 WIDE_ATTENTION = """
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention

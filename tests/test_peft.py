@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import warnings
 
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from helpers import tiny_mixtral_config, tiny_qwen2_moe_config, tiny_qwen3_moe_config
+from modelpatch import ModelpatchError
 from modelpatch.conversion import wrappers
 from modelpatch.integrations import peft as peft_integration
 from modelpatch.recipes import get_recipe
@@ -340,3 +342,30 @@ def test_add_adapter_takes_the_path_each_release_allows(checkpoints):
     if not gate_open:  # what the helper goes around: Transformers' own call refuses, naming the version
         with pytest.raises(ValueError, match=required.replace(".", r"\.")):
             _patched(checkpoints, "qwen2_moe").add_adapter(LoraConfig(**config))
+
+
+def test_save_of_adapters_added_through_peft_refuses_before_writing_and_names_the_way_out(checkpoints, tmp_path):
+    """Where Transformers refuses the installed PEFT (5.24+ with peft 0.21.2), its save_pretrained of a model with
+    adapters fails with a traceback inside its adapter methods: modelpatch refuses first, writes nothing, and the way
+    out its message names (PEFT's state dict + the adapter config, then load_adapter) reloads the adapter exactly.
+    Where Transformers accepts it, save_pretrained saves the adapter and load_adapter reads it back."""
+    from peft import get_peft_model_state_dict
+
+    gate_open, required, _ = peft_integration.transformers_adapter_gate()
+    model = _patched(checkpoints, "qwen2_moe")
+    torch.manual_seed(1)
+    peft_integration.add_adapter(model, LoraConfig(r=4, target_modules=["q_proj", "qkv_proj"], init_lora_weights=False))
+    want = _logits(model.eval())
+    out = tmp_path / "adapter"
+    if gate_open:
+        model.save_pretrained(out)
+    else:
+        with pytest.raises(ModelpatchError, match=f"needs peft >= {re.escape(required)}") as refused:
+            model.save_pretrained(out)
+        assert not out.exists() and "get_peft_model_state_dict" in str(refused.value)
+        out.mkdir()
+        save_file(get_peft_model_state_dict(model), str(out / "adapter_model.safetensors"))
+        model.peft_config["default"].save_pretrained(out)
+    reloaded = _patched(checkpoints, "qwen2_moe")
+    reloaded.load_adapter(str(out))
+    assert torch.equal(_logits(reloaded.eval()), want)

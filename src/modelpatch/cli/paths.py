@@ -341,6 +341,13 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
         label = "prefill" if step == 0 else f"decode step {step}"
         return PathCheck(name, "FAIL", f"{label}: {diverged}", diverged.figure, {**diverged.where, "step": step})
     steps = len(run.expected.logits)
+    if steps < 2:  # the prefill's cache matched, but nothing was decoded from it: that is not a pass of the cache
+        return PathCheck(
+            name,
+            "skipped",
+            f"no decode step: --new-tokens {steps} generates only the prefill's token (its cache matched, max abs diff "
+            f"{cache_worst:.3g}); decoding from the cache needs --new-tokens 2 or more",
+        )
     return PathCheck(
         name,
         "ok",

@@ -70,6 +70,7 @@ __all__ = [
     "builtin_converters_in_force",
     "peft_wrapper_bases",
     "add_adapter",
+    "adapter_save_refusal",
     "transformers_adapter_gate",
 ]
 
@@ -239,6 +240,9 @@ def add_adapter(model: Any, adapter_config: Any, adapter_name: str | None = None
     adapter_config.base_model_name_or_path = model.__dict__.get("name_or_path", None)
     inject_adapter_in_model(adapter_config, model, name)
     model._hf_peft_config_loaded = True
+    # Transformers' save_pretrained / get_adapter_state_dict of such a model refuse this PEFT with a traceback:
+    # modelpatch's save_pretrained wrapper refuses first, naming the versions and the way out (adapter_save_refusal)
+    model.__dict__["_modelpatch_adapters_via_peft"] = name
     if not isinstance(getattr(model, "peft_config", None), dict):
         model.peft_config = {}
     model.peft_config.setdefault(name, adapter_config)
@@ -246,6 +250,29 @@ def add_adapter(model: Any, adapter_config: Any, adapter_name: str | None = None
         if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper)):
             module.set_adapter(name)
     return "peft"
+
+
+def adapter_save_refusal(model: Any) -> str | None:
+    """Why ``model.save_pretrained`` cannot save adapters that :func:`add_adapter` added through PEFT's own API
+    (Transformers saves adapters with its PEFT methods, which refuse the installed PEFT), with the way out; ``None``
+    for any other model, or once Transformers accepts the installed PEFT."""
+    name = model.__dict__.get("_modelpatch_adapters_via_peft")
+    if name is None or not getattr(model, "_hf_peft_config_loaded", False):
+        return None
+    gate_open, required, installed = transformers_adapter_gate()
+    if gate_open:
+        return None
+    import transformers
+
+    return (
+        f"save_pretrained of {type(model).__name__} with adapter {name!r} (added by "
+        f"modelpatch.integrations.peft.add_adapter) needs peft >= {required} on Transformers "
+        f"{transformers.__version__} (installed: peft {installed}): Transformers saves adapters through its PEFT "
+        f"methods, which refuse this peft. Save them with peft instead: "
+        f"safetensors.torch.save_file(peft.get_peft_model_state_dict(model, adapter_name={name!r}), "
+        f"'DIR/adapter_model.safetensors') and model.peft_config[{name!r}].save_pretrained('DIR'); "
+        f"model.load_adapter('DIR') loads them back"
+    )
 
 
 _hook = PostImportHook(TARGET_MODULE, _wrap)

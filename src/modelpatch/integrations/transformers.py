@@ -41,7 +41,7 @@ from ..conversion.saving import (
     serving_quantized_state_dict,
 )
 from ..conversion.unloaded import restore_pending_initial_values
-from ..errors import ModelpatchValueError
+from ..errors import ModelpatchRuntimeError, ModelpatchValueError
 from ..lazy_imports import PostImportHook
 from ..outputs import install_registry_extension, patch_output_recorders
 from ..patching.provenance import BuildRecord, build_record, provenance, set_build_record
@@ -161,6 +161,9 @@ def _save_wrapper(original):
 
     @functools.wraps(original)
     def save_pretrained(self, *args, **kwargs):
+        refusal = peft_integration.adapter_save_refusal(self)
+        if refusal is not None:  # before anything is written
+            raise ModelpatchRuntimeError(refusal)
         if not needs_quantized_original_layout(self):
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
