@@ -290,6 +290,7 @@ def test_atol_must_be_finite_and_non_negative(atol, capsys):
     [
         (["--checks", "padding,kv"], "--checks: unknown check(s) kv; choose from padding, cache, generate, routing"),
         (["--new-tokens", "0"], "--new-tokens: must be an integer >= 1, got '0'"),
+        (["--checks", "none,padding"], "--checks: 'none' runs no check and goes alone, got 'none,padding'"),
     ],
 )
 def test_check_options_are_validated_before_any_load(argv, message, capsys):

@@ -364,3 +364,27 @@ def test_composite_model_sub_models_built_from_sub_configs(tmp_path):
         assert [type(layer.self_attn) for layer in language.layers] == [DelegatingAttention] * 2
         mlps = [type(m) for name, m in vision.named_modules() if name.endswith(".mlp")]
         assert mlps == [CustomClipMLP] * 2
+
+
+def test_a_modeling_module_imported_while_another_module_leaves_is_catalogued():
+    """The CLI's sandbox drops a patches file's modules when a command ends: an import offset by such a removal left
+    ``len(sys.modules)`` where the catalogue's last scan saw it, the new modeling module was never scanned, and
+    ``bert-fused-qkv`` replaced nothing ("not applicable", then a ConversionError) after two in-process commands."""
+    import importlib
+    import types
+
+    from modelpatch.patching.catalog import CATALOG
+
+    name = "transformers.models.ernie.modeling_ernie"
+    importlib.import_module(name)  # its dependencies, so that importing it again adds one module
+    sys.modules.pop(name)
+    sys.modules["modelpatch_test_leaving_module"] = types.ModuleType("modelpatch_test_leaving_module")
+    CATALOG.refresh()
+    assert not CATALOG.may_have_changed()
+    before = len(sys.modules)
+    module = importlib.import_module(name)  # executed again: new class objects
+    sys.modules.pop("modelpatch_test_leaving_module")
+    assert len(sys.modules) == before
+    assert CATALOG.may_have_changed()
+    CATALOG.refresh()
+    assert module.ErnieSelfAttention in CATALOG.classes_named("ErnieSelfAttention")

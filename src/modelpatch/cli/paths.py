@@ -246,10 +246,15 @@ def _decode(vanilla, patched, ids, mask, new_tokens: int, pad_id: int, kind: str
     )
     run = _Decoded(kind, ids.shape[1])
     name = f"cache ({kind})"
+    import transformers
+    from packaging.version import Version
+
+    # generate() takes the cache as ``cache`` from Transformers 5.24 on (``past_key_values`` warns there)
+    cache_kwarg = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
     try:
         run.want, run.got = _caches(vanilla, kind, ids.shape[1] + new_tokens)
         run.expected = vanilla.generate(
-            input_ids=ids, attention_mask=mask, generation_config=config, past_key_values=run.want
+            input_ids=ids, attention_mask=mask, generation_config=config, **{cache_kwarg: run.want}
         )
     except Exception as exc:  # noqa: BLE001
         run.failed = PathCheck(
@@ -258,7 +263,7 @@ def _decode(vanilla, patched, ids, mask, new_tokens: int, pad_id: int, kind: str
         return run
     try:
         run.actual = patched.generate(
-            input_ids=ids, attention_mask=mask, generation_config=config, past_key_values=run.got
+            input_ids=ids, attention_mask=mask, generation_config=config, **{cache_kwarg: run.got}
         )
     except Exception as exc:  # noqa: BLE001
         run.failed = PathCheck(name, "FAIL", f"the patched model's generate fails with a {kind} cache: {_error(exc)}")

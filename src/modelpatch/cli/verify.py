@@ -704,6 +704,8 @@ def _path_checks(text: str) -> tuple[str, ...]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if names == ["none"]:
         return ()
+    if "none" in names:  # none with other names
+        raise argparse.ArgumentTypeError(f"'none' runs no check and goes alone, got {text!r}")
     unknown = [name for name in names if name not in PATH_CHECKS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(

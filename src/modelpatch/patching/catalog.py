@@ -12,7 +12,7 @@ last call, and modules that ran again: a module object replaced under the same n
 model loaded with ``force_download=True``) or re-executed in place (``importlib.reload``, a remote-code file
 whose content changed). Counting ``sys.modules`` catches neither, so each scanned module has a *witness*: the
 last class it defines (else its last function, else its ``__spec__``), which any new execution of its code
-binds to a new object. :meth:`ClassCatalog.may_have_changed` compares ``len(sys.modules)``, then looks the
+binds to a new object. :meth:`ClassCatalog.may_have_changed` compares ``len(sys.modules)`` and its newest key, then looks the
 witness up in the module ``sys.modules`` holds now, for the catalogued modules it is asked about:
 
 * a scope entry asks about the modules defining the classes its exact keys name (0.4 µs for one module on a
@@ -87,6 +87,7 @@ class ClassCatalog:
         self._scanned: dict[str, tuple[types.ModuleType, str, object]] = {}  # name -> (module, witness attr, value)
         self._by_name: dict[str, list[type]] = {}
         self._sys_modules_len = -1
+        self._last_module: str | None = None  # the newest key of sys.modules at the last scan
         # what may_have_changed() compares, rebuilt by refresh(): module names, witness attributes, Nones,
         # witness values (parallel tuples, so the full check runs in C via map())
         self._watch: tuple[tuple, tuple, tuple, list] = ((), (), (), [])
@@ -103,7 +104,9 @@ class ClassCatalog:
         module docstring) in the module ``sys.modules`` holds now: a module replaced under the same name, or
         re-executed in place, binds a new object there.
         """
-        if len(sys.modules) != self._sys_modules_len:
+        # the count alone misses imports offset by removals (the CLI's sandbox drops a patches file's modules):
+        # sys.modules keeps insertion order, so a new import also changes its newest key
+        if len(sys.modules) != self._sys_modules_len or next(reversed(sys.modules), None) != self._last_module:
             return True
         if modules is None:
             names, attrs, nones, values = self._watch
@@ -126,6 +129,7 @@ class ClassCatalog:
         Walks ``sys.modules`` (about 1 ms): call it when :meth:`may_have_changed` says so."""
         with self._lock:
             self._sys_modules_len = len(sys.modules)
+            self._last_module = next(reversed(sys.modules), None)
             found: list[type] = []
             seen: dict[str, tuple[types.ModuleType, str, object]] = {}
             for name, module in list(sys.modules.items()):
