@@ -251,13 +251,17 @@ class LazyConverted:
     """Placeholder for a converted tensor; ``obj[...]`` converts its group (once) and returns the tensor.
 
     Exposes ``shape``/``dtype`` (from the meta dry run), ``get_shape()`` like a safetensors slice and
-    ``is_floating_point()`` like a tensor.
+    ``is_floating_point()`` like a tensor. ``obj[...]`` hands the tensor over (the loader reads each key once);
+    any other index keeps it, so that several slices can be read (tensor parallelism's strided shards read one
+    slice per block: a fused ``qkv_proj``'s rows of q, of k and of v).
     """
 
-    __slots__ = ("_runner", "name", "shape", "dtype")
+    __slots__ = ("_runner", "name", "shape", "dtype", "_kept", "_lock")
 
     def __init__(self, runner: _GroupRunner, name: str, shape, dtype):
         self._runner, self.name, self.shape, self.dtype = runner, name, torch.Size(shape), dtype
+        self._kept: torch.Tensor | None = None
+        self._lock = threading.Lock()
 
     def get_shape(self):
         return list(self.shape)
@@ -267,8 +271,15 @@ class LazyConverted:
         return self.dtype.is_floating_point
 
     def __getitem__(self, item):
-        tensor = self._runner.take(self.name)
-        return tensor if item is Ellipsis else tensor[item]
+        with self._lock:
+            tensor = self._kept
+            if tensor is None:
+                tensor = self._runner.take(self.name)
+            if item is Ellipsis:
+                self._kept = None
+                return tensor
+            self._kept = tensor
+        return tensor[item]
 
     def __repr__(self):
         return f"LazyConverted({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"

@@ -12,8 +12,10 @@ open:
 * ``PreTrainedModel.__init__`` (which runs before a model builds its children) picks up modeling
   modules imported since the last look, so a module first imported inside a block is patched too, and
   remembers which scopes built the model, for :func:`~modelpatch.patch_report`;
-* ``PreTrainedModel.post_init`` fixes the output recorders of models built inside a block and binds the conversion
-  rules in effect that fit them (so they save their original layout after the block);
+* ``PreTrainedModel.post_init`` fixes the output recorders of models built inside a block, binds the conversion
+  rules in effect that fit them (so they save their original layout after the block) and swaps the tensor-parallel
+  plan's entries of replaced modules for the replacements' own (:mod:`.tensor_parallel`; ``from_pretrained(...,
+  tp_plan=...)`` that cannot be exact is refused there);
 * ``PreTrainedModel.save_pretrained`` of a quantized model that carries conversion state (and only of such a
   model) computes the original layout first (:func:`~modelpatch.conversion.saving.quantized_original_layout`),
   so that a layout that cannot be written exactly is refused before anything is written, then lets Transformers
@@ -41,10 +43,10 @@ from ..conversion.saving import (
     serving_quantized_state_dict,
 )
 from ..conversion.unloaded import restore_pending_initial_values
-from ..errors import ModelpatchRuntimeError, ModelpatchValueError
+from ..errors import ModelpatchRuntimeError
 from ..lazy_imports import PostImportHook
 from ..outputs import install_registry_extension, patch_output_recorders
-from ..patching.provenance import BuildRecord, build_record, provenance, set_build_record
+from ..patching.provenance import BuildRecord, build_record, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..patching.upstream import fusion_conflicts_checked, in_fusion_discovery
@@ -52,12 +54,15 @@ from ..undo import UndoStack
 from . import kernels as kernels_integration
 from . import loaders as loaders_integration
 from . import peft as peft_integration
+from . import tensor_parallel as tensor_parallel_integration
 from . import trainer as trainer_integration
+from .tensor_parallel import adapt_tensor_parallel_plan, requested_tensor_parallelism
 
 __all__ = ["install", "uninstall", "installed"]
 
 _LOADING: ContextVar[bool] = ContextVar("modelpatch_loading", default=False)  # inside from_pretrained
-_TP_PLAN: ContextVar[object] = ContextVar("modelpatch_tp_plan", default=None)  # from_pretrained(tp_plan=...)
+# from_pretrained(tp_plan=... / distributed_config=...): what it asks for (tensor_parallel.requested_tensor_parallelism)
+_TP_PLAN: ContextVar[dict | None] = ContextVar("modelpatch_tp_plan", default=None)
 
 
 class _RegistryBuild:
@@ -85,7 +90,7 @@ def _build_wrapper(name: str, original):
     @functools.wraps(original)
     def build(cls, *args, **kwargs):
         token = _LOADING.set(name == "from_pretrained")
-        tp_token = _TP_PLAN.set(kwargs.get("tp_plan") if name == "from_pretrained" else None)
+        tp_token = _TP_PLAN.set(requested_tensor_parallelism(kwargs) if name == "from_pretrained" else None)
         try:
             with fusion_conflicts_checked(), _RegistryBuild(f"{cls.__name__}.{label}"):
                 model = original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
@@ -119,35 +124,13 @@ def _init_wrapper(original):
     return __init__
 
 
-def _refuse_tensor_parallelism(model) -> None:
-    """``from_pretrained(..., tp_plan=...)`` of a model with replaced modules: Transformers' plan names the original
-    modules' parameters (``q_proj`` column-wise, ``o_proj`` row-wise, fused experts tensors), so a replacement that
-    changes the layout (a fused ``qkv_proj``, per-expert Linears) is left unsharded next to sharded neighbours: the
-    outputs are wrong (linear experts: logits off by 1.5e-2 on 2 processes, no error) or the forward fails. Refused
-    before anything is sharded or loaded."""
-    plan = _TP_PLAN.get()
-    if plan is None:
-        return
-    replaced = [(path, found) for path, module in model.named_modules() if (found := provenance(module)) is not None]
-    if replaced:
-        shown = ", ".join(
-            f"{path} ({r.replacement.__name__} replacing {r.original.__name__})" for path, r in replaced[:3]
-        )
-        raise ModelpatchValueError(
-            f"from_pretrained(tp_plan={plan!r}) with modelpatch replacements is not supported: Transformers' "
-            f"tensor-parallel plan of {type(model).__name__} shards the original modules' parameters, which "
-            f"{len(replaced)} replaced module(s) do not have or lay out otherwise: {shown}"
-            f"{' ...' if len(replaced) > 3 else ''}. Load without tp_plan (DDP, FSDP2 or DeepSpeed ZeRO-3 work), or "
-            "without the patch."
-        )
-
-
 def _post_init_wrapper(original):
     @functools.wraps(original)
     def post_init(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if build_record(self) is not None:  # built inside a block (from_config, from_pretrained or a constructor)
-            _refuse_tensor_parallelism(self)
+            # the tensor-parallel plan names the replacements' own modules; a plan that cannot be exact is refused
+            adapt_tensor_parallel_plan(self, _TP_PLAN.get())
             patch_output_recorders(self)
             if not _LOADING.get():  # a load binds the rules itself, with the shapes it read
                 bind_conversion_rules(self)  # saves its original layout after the block too
@@ -234,6 +217,7 @@ def uninstall() -> None:
         peft_integration.uninstall()
         loaders_integration.uninstall()
         trainer_integration.uninstall()
+        tensor_parallel_integration.uninstall()
 
 
 def installed() -> bool:

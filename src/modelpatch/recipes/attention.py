@@ -135,6 +135,29 @@ class FusedQKVAttention(nn.Module):
         elif family.window == WINDOW_ATTRIBUTE_ONLY and sliding:
             self.sliding_window = config.sliding_window
 
+    def modelpatch_tp_plan(self, tp_size: int | None) -> dict[str, str]:
+        """Tensor-parallel plan (see :mod:`modelpatch.integrations.tensor_parallel`): ``qkv_proj`` split so that
+        each rank holds whole heads of q, k and v (``"modelpatch_packed_qkv_colwise"``), ``o_proj`` row-wise, as
+        Transformers splits ``q_proj``/``k_proj``/``v_proj`` and ``o_proj``.
+
+        Raises:
+            TensorParallelError: q and k/v differ in size (grouped-query attention: the split of each would not be
+                a placement Transformers' loader and ``full_tensor()`` know), or ``tp_size`` does not divide the
+                number of heads.
+        """
+        from ..integrations.tensor_parallel import PACKED_QKV_COLWISE, TensorParallelError
+
+        heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        if heads != kv_heads:
+            raise TensorParallelError(
+                f"qkv_proj holds {heads} query heads and {kv_heads} key/value heads (grouped-query attention): "
+                "splitting each of q, k and v is supported for equal sizes only. Load without tp_plan, or apply "
+                "the fused-QKV recipe only to a model with num_key_value_heads == num_attention_heads"
+            )
+        if tp_size is not None and heads % tp_size:
+            raise TensorParallelError(f"{heads} attention heads do not split over tp_size={tp_size} ranks")
+        return {"qkv_proj": PACKED_QKV_COLWISE, "o_proj": "rowwise"}
+
     def _window_kwargs(self) -> dict:
         if self.family.window == WINDOW_ALL_LAYERS:
             return {"sliding_window": getattr(self.config, "sliding_window", None)}
@@ -150,7 +173,11 @@ class FusedQKVAttention(nn.Module):
         module = self.modeling
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query, key, value = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.q_size, self.kv_size
+        if qkv.shape[-1] != q_size + 2 * kv_size:  # tensor parallelism: this rank's heads of q, k and v
+            q_size, kv_size = (size * qkv.shape[-1] // (q_size + 2 * kv_size) for size in (q_size, kv_size))
+        query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
         query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
         if self.family.qk_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)

@@ -543,6 +543,28 @@ class LinearExperts(nn.ModuleList):
                 )
             )
 
+    def modelpatch_tp_plan(self, tp_size: int | None) -> dict[str, str]:
+        """Tensor-parallel plan (see :mod:`modelpatch.integrations.tensor_parallel`), Transformers' split of the
+        fused experts per expert: each expert's gate/up rows and down columns split over the ranks (``colwise`` /
+        ``rowwise`` parameter placements; the expert linears run on their local shards, ``local_params``), the
+        experts' summed partial outputs all-reduced once per layer (``moe_tp_experts``, which also sums the input
+        gradients).
+
+        Raises:
+            TensorParallelError: the experts have biases (a row-split ``down`` bias would be added once per rank).
+        """
+        from ..integrations.tensor_parallel import TensorParallelError
+
+        if self.has_bias:
+            raise TensorParallelError(
+                "its experts have biases, which a row-wise split of the down projection would add once per rank"
+            )
+        *inputs, down = self[0].names
+        plan = {"": "moe_tp_experts"}
+        for name in inputs:
+            plan |= {f"*.{name}.weight": "colwise", f"*.{name}": "local_params"}
+        return plan | {f"*.{down}.weight": "rowwise", f"*.{down}": "local_params"}
+
     @staticmethod
     def _routing(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         values = [*args, *kwargs.values()]
