@@ -12,8 +12,6 @@ Trainer run. Checked here against the same work in this process without DeepSpee
   exactly, and the patch and conversion reports are the same;
 * ``iter_original_state_dict`` outside ``GatheredParameters`` (partitions of shape ``(0,)``) is refused;
 * ``patch_model`` of a model loaded unpatched under ZeRO-3 is refused (``InstancePatchError``);
-* ``from_pretrained(tp_plan="auto")`` with a recipe is refused (``ModelpatchValueError`` naming ``tp_plan`` and
-  the replaced modules) instead of sharding neighbours of unsharded replacements;
 * a patch whose parameters the checkpoint cannot fill is refused while loading (``ConversionError`` naming the
   module), as without DeepSpeed, instead of training ``__init__`` values;
 * routing recorded by one process on both sequences and replayed through a DeepSpeed engine on 2 ranks (each its
@@ -80,7 +78,6 @@ def _launch(out: Path) -> str:
     trace.save(out / "trace.pt")
     phases = [f"load:{name}:{how}" for name, how in [*LOADS, REFUSED]] + [f"train:{TRAINED[0]}:{TRAINED[1]}"]
     phases.append(f"replay:{REPLAYED[0]}:{REPLAYED[1]}")
-    phases.append(f"tp:{REPLAYED[0]}:{REPLAYED[1]}")
     # a second launch resumes the Trainer run (accelerate allows one DeepSpeed Accelerator per process)
     return _torchrun(out, phases) or _torchrun(out, [f"resume:{TRAINED[0]}:{TRAINED[1]}"])
 
@@ -144,12 +141,6 @@ def _check_loads(zero3) -> None:
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in experts
     fused = torch.load(out / "load-llama-user-qkv-rule.pt", weights_only=False)["state"]
     assert fused["model.layers.1.self_attn.qkv_proj.weight"].shape == (128, 64)  # 64 + 32 + 32 rows
-
-    # tensor parallelism with a recipe: Transformers' plan shards the original modules' parameters (measured: the
-    # linear-experts recipe under tp_plan="auto" gave logits off by 1.5e-2 on 2 processes, without an error)
-    tp = torch.load(out / f"tp-{REPLAYED[0]}-{REPLAYED[1]}.pt", weights_only=False)["error"]
-    assert tp.startswith("ModelpatchValueError: from_pretrained(tp_plan='auto')"), tp
-    assert "layers.0.mlp.experts (LinearQwen2MoeExperts replacing Qwen2MoeExperts)" in tp, tp
 
     refused = torch.load(out / f"load-{REFUSED[0]}-{REFUSED[1]}.pt", weights_only=False)
     assert refused["error"].startswith("ConversionError"), refused["error"]

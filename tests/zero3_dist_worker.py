@@ -19,8 +19,7 @@ ZeRO-3 loader (the normal path of a Trainer run).
   the Trainer checkpoints after each step into ``OUT/trainer/checkpoint-<step>``;
 * ``resume`` (in another launch, after ``train``): the same run resumed from ``OUT/trainer/checkpoint-1`` (a new
   model loaded under ZeRO-3, DeepSpeed's own checkpoint of the engine); rank 0 writes ``OUT/resume-<checkpoint>-<how>.pt``;
-* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`);
-* ``tp`` (run first, before DeepSpeed is switched on): ``from_pretrained(tp_plan="auto")`` (:func:`phase_tp`).
+* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`).
 
 :func:`load` (the same code in one process without DeepSpeed) is the reference the test compares with.
 """
@@ -292,31 +291,10 @@ def phase_replay(paths: dict, out: str, name: str, recipe: str, args) -> None:
     torch.save({"steps": steps, "weights": weights}, os.path.join(out, f"replay-{name}-{recipe}.rank{rank}.pt"))
 
 
-def phase_tp(paths: dict, out: str, name: str, recipe: str) -> None:
-    """``from_pretrained(..., tp_plan="auto")`` with the recipe (no DeepSpeed yet); rank 0 writes
-    ``OUT/tp-<checkpoint>-<how>.pt``: ``{"error": what it raised, or None}``."""
-    from transformers import AutoModelForCausalLM
-
-    from modelpatch.recipes import get_recipe
-
-    error = None
-    try:
-        with get_recipe(recipe).apply():
-            AutoModelForCausalLM.from_pretrained(paths[name], tp_plan="auto", attn_implementation="eager")
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        error = f"{type(e).__name__}: {e}"
-    if dist.get_rank() == 0:
-        torch.save({"error": error}, os.path.join(out, f"tp-{name}-{recipe}.pt"))
-
-
 def main(checkpoints: str, out: str, phases: str) -> None:
     torch.set_num_threads(1)
     with open(checkpoints) as fh:
         paths = json.load(fh)
-    for phase in phases.split(","):  # tensor parallelism first: DeepSpeed is switched on below, for the process
-        kind, name, recipe = phase.split(":")
-        if kind == "tp":
-            phase_tp(paths, out, name, recipe)
     args = training_arguments(
         os.path.join(out, "trainer"),
         per_device_train_batch_size=1,
@@ -334,8 +312,6 @@ def main(checkpoints: str, out: str, phases: str) -> None:
     )
     for phase in phases.split(","):
         kind, name, recipe = phase.split(":")
-        if kind == "tp":
-            continue
         if kind == "resume":
             phase_train(paths, out, name, recipe, args, resume=True)
             continue

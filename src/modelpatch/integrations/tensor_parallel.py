@@ -143,7 +143,10 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
                     f"cannot be split exactly: {e}"
                 ) from None
         else:
-            own = give(None)
+            try:
+                own = give(None)
+            except TensorParallelError:
+                continue  # refused if a tensor-parallel load asks for it
         for key in under:
             del plan[key]
         for key, style in own.items():
