@@ -2,13 +2,13 @@
 
 The recipes give the tensor-parallel plan of their modules (:mod:`modelpatch.integrations.tensor_parallel`): a fused
 ``qkv_proj`` is split so that each rank holds whole heads of each of q, k and v (not a slice of the
-concatenation), per-expert Linears as Transformers splits the fused experts. A ``torchrun --standalone
+concatenation; with grouped-query attention ``qkv_proj`` stays whole and each rank computes its heads' rows), per-expert Linears as Transformers splits the fused experts. A ``torchrun --standalone
 --nproc_per_node 2`` launch of tests/tp_dist_worker.py (CPU, gloo) loads tiny qwen2_moe checkpoints with the
-linear-experts recipe and with the full example (fused QKV + linear experts), and the test compares with the same
-load in this process: logits, the gathered weights, greedy generation, ``save_pretrained`` (the checkpoint's keys
-and values) and one SGD step. Loads that cannot be split exactly are refused before anything is sharded: fused QKV
-with grouped-query attention, and a user ``tp_plan`` entry for a module a recipe removed or splitting a
-replacement otherwise than its plan.
+linear-experts recipe and with the full example (fused QKV + linear experts), and a tiny llama (grouped-query attention) with
+the fused-QKV recipe; the test compares with the same load in this process: logits, the gathered weights, greedy
+generation, ``save_pretrained`` (the checkpoint's keys and values) and one SGD step. Loads that cannot be split
+exactly are refused before anything is sharded: heads that do not divide by the number of ranks, and a user
+``tp_plan`` entry for a module a recipe removed or splitting a replacement otherwise than its plan.
 
 Measured 2026-12-05 (Transformers 5.23, torch 2.13, 2 CPU processes): logits max abs diff against one process
 1.5e-07 (linear experts, full example), gathered weights 0.0, saved tensors 0.0, after one SGD step (lr 0.1)
@@ -26,12 +26,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_llama_config, tiny_qwen2_moe_config
 
 import modelpatch
 import tp_dist_worker as worker
+from helpers import tiny_llama_config, tiny_qwen2_moe_config
 from modelpatch.integrations.tensor_parallel import (
     PACKED_QKV_COLWISE,
+    QKV_HEADS,
     TensorParallelError,
     adapt_tensor_parallel_plan,
 )
@@ -90,27 +91,32 @@ def test_tensor_parallel_loads_generates_saves_and_trains_like_one_process(tmp_p
         original = load_file(os.path.join(paths[checkpoint], "model.safetensors"))
         saved = load_file(tmp_path / f"saved-{name}" / "model.safetensors")
         assert _max_diff(saved, original) == 0.0, name
-        # each rank holds half of every expert's rows (gate, up) and columns (down)
-        assert got["local"]["model.layers.0.mlp.experts.0.gate_proj.weight"] == (16, 64), got["local"]
-        assert got["local"]["model.layers.0.mlp.experts.0.down_proj.weight"] == (64, 16), got["local"]
+        # o_proj's columns (half of the heads) on each rank
+        assert got["local"]["model.layers.0.self_attn.o_proj.weight"] == (64, 32), (name, got["local"])
+        if name in worker.TRAINED:  # one SGD step, the same on 1 and 2 processes
+            worker.sgd_step(model)
+            with torch.no_grad():
+                logits = model(worker.IDS).logits
+            assert _max_diff(got["trained"], model.state_dict()) <= TRAINED_BOUND, name
+            assert (got["trained_logits"] - logits).abs().max().item() <= LOGITS_BOUND, name
 
-    # fused QKV: half of the heads of each of q, k and v on each rank (96 of 192 rows), and o_proj's columns
+    # each rank holds half of every expert's rows (gate, up) and columns (down)
+    for name in ("experts", "full"):
+        local = results[name]["local"]
+        assert local["model.layers.0.mlp.experts.0.gate_proj.weight"] == (16, 64), local
+        assert local["model.layers.0.mlp.experts.0.down_proj.weight"] == (64, 16), local
+    # fused QKV, multi-head: half of the heads of each of q, k and v on each rank (96 of 192 rows); grouped-query:
+    # qkv_proj whole on each rank (no placement splits q and k/v of different sizes), each computing its heads' rows
     assert results["full"]["local"]["model.layers.0.self_attn.qkv_proj.weight"] == (96, 64)
-    assert results["full"]["local"]["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
-    model = worker.load(paths["qwen2_moe_mha"], worker.LOADS["full"][1])
-    worker.sgd_step(model)
-    with torch.no_grad():
-        logits = model(worker.IDS).logits
-    assert _max_diff(results["full"]["trained"], model.state_dict()) <= TRAINED_BOUND
-    assert (results["full"]["trained_logits"] - logits).abs().max().item() <= LOGITS_BOUND
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in results["gqa"]["local"]
 
     refused = results["refused"]
-    assert refused["gqa"].startswith("TensorParallelError: from_pretrained(tp_plan='auto', tp_size=2): "), refused
-    assert "layers.0.self_attn (FusedQKVLlamaAttention replacing LlamaAttention)" in refused["gqa"], refused
-    assert "4 query heads and 2 key/value heads" in refused["gqa"], refused
+    assert refused["heads"].startswith("TensorParallelError: from_pretrained(tp_plan='auto', tp_size=2): "), refused
+    assert "layers.0.self_attn (FusedQKVLlamaAttention replacing LlamaAttention)" in refused["heads"], refused
+    assert "4 query heads and 1 key/value heads do not split over tp_size=2 ranks" in refused["heads"], refused
     removed = refused["removed"]
     assert removed.startswith("TensorParallelError: from_pretrained(tp_plan=...) entry "), removed
-    assert "'model.layers.*.self_attn.q_proj'" in removed and "has no such module" in removed, removed
+    assert "'model.layers.*.self_attn.q_proj'" in removed and "(a recipe removed it)" in removed, removed
     assert "model.layers.0.self_attn (FusedQKVQwen2MoeAttention replacing Qwen2MoeAttention)" in removed, removed
     split = refused["split"]
     assert "'model.layers.*.self_attn.qkv_proj': 'colwise'" in split, split
@@ -138,9 +144,13 @@ def test_plan_names_the_replacements_modules():
     assert plan["model.layers.*.mlp.experts.*.gate_proj.weight"] == "colwise"
     assert plan["model.layers.*.mlp.experts.*.down_proj.weight"] == "rowwise"
     assert not [k for k in plan if k.endswith((".q_proj", ".k_proj", ".v_proj", ".experts.gate_up_proj"))], plan
-    gqa = _built(tiny_llama_config(), "llama-fused-qkv")  # refused only when tensor parallelism is asked for
+    gqa = _built(tiny_llama_config(), "llama-fused-qkv")  # grouped-query: qkv_proj whole, each rank its heads' rows
+    assert (
+        gqa.tp_plan["model.layers.*.self_attn"] == QKV_HEADS and "model.layers.*.self_attn.qkv_proj" not in gqa.tp_plan
+    )
+    mqa = _built(tiny_llama_config(num_key_value_heads=1), "llama-fused-qkv")  # refused only under TP
     with pytest.raises(TensorParallelError, match=r"tp_size=2\): model\.layers\.0\.self_attn \(FusedQKVLlama"):
-        adapt_tensor_parallel_plan(gqa, REQUEST)
+        adapt_tensor_parallel_plan(mqa, REQUEST)
 
 
 def test_replacement_without_a_plan_is_refused_under_tensor_parallelism():

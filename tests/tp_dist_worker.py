@@ -4,13 +4,15 @@ tests/tp_dist_worker.py CHECKPOINTS.json OUT`` (CPU, gloo; Transformers starts t
 Loads with ``from_pretrained(..., tp_plan=...)`` and writes, from rank 0, ``OUT/tp.pt``:
 
 * ``"experts"``: qwen2_moe (grouped-query attention) with ``qwen2_moe-linear-experts``; ``"full"``: qwen2_moe with
-  multi-head attention and ``qwen2_moe-full-example`` (fused QKV + linear experts). Each: ``logits`` of
+  multi-head attention and ``qwen2_moe-full-example`` (fused QKV + linear experts); ``"gqa"``: llama
+  (grouped-query attention) with ``llama-fused-qkv``. Each: ``logits`` of
   :data:`IDS`, ``local``: ``{parameter: this rank's shape}`` of layer 0's sharded parameters, ``state``: the model's
-  state dict gathered (``full_tensor()``), ``generated``: 4 greedy tokens; for ``"full"`` also ``trained``: the
+  state dict gathered (``full_tensor()``), ``generated``: 4 greedy tokens; for :data:`TRAINED` also ``trained``: the
   gathered state and ``trained_logits`` after one SGD step (lr :data:`LR`) on :data:`IDS`. Each model is saved
   with ``save_pretrained`` into ``OUT/saved-<name>`` before that step.
 * ``"refused"``: ``{case: "<ErrorClass>: <message>"}`` (or ``None`` when nothing was raised) for loads that must be
-  refused: ``gqa`` (``llama-fused-qkv`` on a grouped-query llama), ``removed`` (a user ``tp_plan`` entry for
+  refused: ``heads`` (``llama-fused-qkv`` on a llama with one key/value head: 2 ranks cannot split it),
+  ``removed`` (a user ``tp_plan`` entry for
   ``q_proj``, which the fused-QKV recipe removed), ``split`` (a user ``colwise`` entry for the fused ``qkv_proj``).
 
 :func:`load` (the same load in one process) is the reference the test compares with.
@@ -26,9 +28,14 @@ import torch
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 64, 2, 7]])
 LR = 0.1
-LOADS = {"experts": ("qwen2_moe", "qwen2_moe-linear-experts"), "full": ("qwen2_moe_mha", "qwen2_moe-full-example")}
+LOADS = {
+    "experts": ("qwen2_moe", "qwen2_moe-linear-experts"),
+    "full": ("qwen2_moe_mha", "qwen2_moe-full-example"),
+    "gqa": ("llama", "llama-fused-qkv"),
+}
+TRAINED = ("full", "gqa")
 REFUSED = {
-    "gqa": ("llama", "llama-fused-qkv", "auto"),
+    "heads": ("llama_mqa", "llama-fused-qkv", "auto"),
     "removed": ("qwen2_moe_mha", "qwen2_moe-fused-qkv", {"model.layers.*.self_attn.q_proj": "colwise"}),
     "split": ("qwen2_moe_mha", "qwen2_moe-fused-qkv", {"model.layers.*.self_attn.qkv_proj": "colwise"}),
 }
@@ -37,11 +44,13 @@ REFUSED = {
 def make_checkpoints(folder) -> dict[str, str]:
     """Tiny checkpoints: ``llama`` and ``qwen2_moe`` with grouped-query attention (4 query heads, 2 key/value heads),
     ``qwen2_moe_mha`` with 4 of each."""
-    from helpers import save_tiny, tiny_llama_config, tiny_qwen2_moe_config
     from transformers import LlamaForCausalLM, Qwen2MoeForCausalLM
 
-    paths = {name: os.path.join(folder, name) for name in ("llama", "qwen2_moe", "qwen2_moe_mha")}
+    from helpers import save_tiny, tiny_llama_config, tiny_qwen2_moe_config
+
+    paths = {name: os.path.join(folder, name) for name in ("llama", "llama_mqa", "qwen2_moe", "qwen2_moe_mha")}
     save_tiny(LlamaForCausalLM, tiny_llama_config(), paths["llama"])
+    save_tiny(LlamaForCausalLM, tiny_llama_config(num_key_value_heads=1), paths["llama_mqa"])
     save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(num_key_value_heads=2), paths["qwen2_moe"])
     save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(), paths["qwen2_moe_mha"])
     return paths
@@ -61,7 +70,9 @@ def gathered(model) -> dict[str, torch.Tensor]:
     """The state dict as full tensors (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def sgd_step(model) -> None:
@@ -88,7 +99,7 @@ def check_load(paths: dict, out: str, name: str) -> dict:
     result = {"logits": logits, "local": local, "state": gathered(model)}
     result["generated"] = model.generate(IDS, max_new_tokens=4, do_sample=False)
     model.save_pretrained(os.path.join(out, f"saved-{name}"))
-    if name == "full":
+    if name in TRAINED:
         sgd_step(model)
         with torch.no_grad():
             result["trained_logits"] = model(IDS).logits

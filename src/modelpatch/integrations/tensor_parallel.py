@@ -20,10 +20,13 @@ A ``tp_plan`` dict passed by the user is checked too: an entry at or under a rep
 plan does not have (``q_proj`` of a fused-QKV model) or gives another style (``qkv_proj: colwise``, which would
 split the concatenation) is refused, naming the entry and the module.
 
-One style is added to Transformers' registry while a plan uses it (undone by :func:`uninstall`):
-``"modelpatch_packed_qkv_colwise"`` (:func:`packed_qkv_colwise_style`), the column split of a fused
-``[q; k; v]`` projection that splits each of q, k and v (``_StridedShard(0, split_factor=3)``, as Transformers'
-own ``packed_colwise`` splits gate and up), for equal q, k and v sizes.
+Two styles are added to Transformers' registry while a plan uses them (undone by :func:`uninstall`):
+
+* ``"modelpatch_packed_qkv_colwise"`` (:func:`packed_qkv_colwise_style`): the column split of a fused ``[q; k;
+  v]`` projection that splits each of q, k and v (``_StridedShard(0, split_factor=3)``, as Transformers' own
+  ``packed_colwise`` splits gate and up), for equal q, k and v sizes (multi-head attention);
+* ``"modelpatch_qkv_heads"`` (:func:`qkv_heads_style`), for grouped-query attention, whose unequal q and k/v no
+  placement splits: ``qkv_proj`` stays whole on every rank and each rank computes the rows of its heads only.
 """
 
 from __future__ import annotations
@@ -43,11 +46,15 @@ __all__ = [
     "requested_tensor_parallelism",
     "adapt_tensor_parallel_plan",
     "packed_qkv_colwise_style",
+    "QKV_HEADS",
+    "qkv_heads_style",
     "uninstall",
 ]
 
 PACKED_QKV_COLWISE = "modelpatch_packed_qkv_colwise"
 """The style name of :func:`packed_qkv_colwise_style` in Transformers' ``ALL_PARALLEL_STYLES``."""
+QKV_HEADS = "modelpatch_qkv_heads"
+"""The style name of :func:`qkv_heads_style` in Transformers' ``ALL_PARALLEL_STYLES``."""
 
 _styles = UndoStack()  # styles registered in ALL_PARALLEL_STYLES
 _lock = threading.Lock()
@@ -151,8 +158,8 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
             del plan[key]
         for key, style in own.items():
             plan[f"{generic}.{key}" if key else generic] = style
-            if style == PACKED_QKV_COLWISE:
-                packed_qkv_colwise_style()  # registered before Transformers validates the plan's styles
+            if style in _STYLES:
+                _register(style)  # before Transformers validates the plan's styles
     model._tp_plan = plan
     if request is None:
         return
@@ -175,6 +182,7 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
                 )
     user = request["plan"]
     if isinstance(user, dict):
+        names = {_wildcard(n) for n, _ in model.named_modules()} | {_wildcard(n) for n, _ in model.named_parameters()}
         for key, style in user.items():
             generic_key = _wildcard(key)
             for generic, (path, module) in groups.items():
@@ -182,13 +190,24 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
                     continue
                 if generic_key in plan:
                     why = f"the replacement's plan splits it as {plan[generic_key]!r}"
+                elif generic_key in names:
+                    why = "the replacement's plan does not split it by itself"
                 else:
-                    why = "the replaced module has no such module or parameter"
+                    why = "the replacement has no such module or parameter (a recipe removed it)"
                 own = {k: v for k, v in plan.items() if _under(k, generic)}
                 raise TensorParallelError(
                     f"from_pretrained(tp_plan=...) entry {key!r}: {style!r} is for {_describe(path, module)}, "
                     f"and {why} (its plan: {own or 'replicated'}). Drop the entry, or load without the patch."
                 )
+
+
+def _register(name: str) -> Any:
+    with _lock:
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+        if name not in ALL_PARALLEL_STYLES:
+            _styles.setitem(ALL_PARALLEL_STYLES, name, _STYLES[name]()())
+        return ALL_PARALLEL_STYLES[name]
 
 
 def packed_qkv_colwise_style() -> Any:
@@ -198,12 +217,19 @@ def packed_qkv_colwise_style() -> Any:
     split_factor=3)`` (Transformers' loader reads only those rows, and ``full_tensor()`` gives the fused layout
     back), input replicated, output this rank's ``[q_r; k_r; v_r]`` (local; the attention's forward splits it in the
     proportions of the full q, k and v)."""
-    with _lock:
-        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+    return _register(PACKED_QKV_COLWISE)
 
-        if PACKED_QKV_COLWISE not in ALL_PARALLEL_STYLES:
-            _styles.setitem(ALL_PARALLEL_STYLES, PACKED_QKV_COLWISE, _packed_qkv_class()())
-        return ALL_PARALLEL_STYLES[PACKED_QKV_COLWISE]
+
+def qkv_heads_style() -> Any:
+    """The ``"modelpatch_qkv_heads"`` style (registered in ``ALL_PARALLEL_STYLES`` on first use), for a fused-QKV
+    attention module (attributes ``qkv_proj``, ``q_size``, ``kv_size``, ``head_dim``) whose q and k/v differ in
+    size (grouped-query attention), where no DTensor placement splits each of q, k and v: ``qkv_proj``'s weight
+    and bias stay whole on every rank (plain tensors: loaded, gathered and saved as without tensor parallelism),
+    and each rank computes only the rows of its heads (rank ``r`` of ``T``: query heads ``r*H/T ...`` and the
+    key/value heads ``r*K/T ...`` they attend with), ``F.linear(x, weight[rows], bias[rows])``: the attention
+    core and ``o_proj`` (row-wise) run on ``1/T`` of the heads. Gradients: the input's and the weight's partial
+    sums (each rank's rows) are all-reduced over the tensor-parallel group."""
+    return _register(QKV_HEADS)
 
 
 def _packed_qkv_class() -> type:
@@ -228,6 +254,70 @@ def _packed_qkv_class() -> type:
             )
 
     return PackedQKVColwiseParallel
+
+
+def _qkv_heads_class() -> type:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from transformers.distributed.parallel_utils import _AllReduceBackward
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    class QKVHeadsParallel(TensorParallelLayer):
+        """See :func:`qkv_heads_style`; installed on the attention module, it replaces ``qkv_proj.forward``."""
+
+        def install_forward(self, module, mesh, *args, **kwargs):
+            size, rank = mesh.size(), mesh.get_local_rank()
+            group = mesh.get_group()
+            heads, kv_heads = module.q_size // module.head_dim, module.kv_size // module.head_dim
+            if heads % size or kv_heads % size:
+                raise TensorParallelError(
+                    f"{heads} query heads and {kv_heads} key/value heads do not split over {size} ranks"
+                )
+            q, kv = module.q_size // size, module.kv_size // size
+            rows = torch.cat(
+                [
+                    torch.arange(rank * q, (rank + 1) * q),
+                    module.q_size + torch.arange(rank * kv, (rank + 1) * kv),
+                    module.q_size + module.kv_size + torch.arange(rank * kv, (rank + 1) * kv),
+                ]
+            )
+            proj = module.qkv_proj
+
+            def forward(hidden_states):
+                hidden_states = _AllReduceBackward.apply(hidden_states, group)  # each rank's rows: a partial sum
+                index = rows.to(proj.weight.device)
+                bias = None if proj.bias is None else proj.bias.index_select(0, index)
+                return F.linear(hidden_states, proj.weight.index_select(0, index), bias)
+
+            def all_reduce(param):  # each rank's gradient holds its rows only
+                dist.all_reduce(param.grad, group=group)
+
+            proj.forward = forward
+            proj.register_forward_pre_hook(_hook_gradients(all_reduce))
+            return module
+
+    return QKVHeadsParallel
+
+
+def _hook_gradients(all_reduce):
+    """A forward pre-hook that registers ``all_reduce`` as the post-accumulate-grad hook of the module's parameters,
+    once per parameter object (the loader replaces the parameters after the styles are installed)."""
+    hooked: dict = {}
+
+    def hook(module, args):
+        import torch
+
+        if torch.is_grad_enabled():
+            for name, param in module.named_parameters(recurse=False):
+                if param.requires_grad and hooked.get(name) is not param:
+                    param.register_post_accumulate_grad_hook(all_reduce)
+                    hooked[name] = param
+
+    return hook
+
+
+_STYLES = {PACKED_QKV_COLWISE: _packed_qkv_class, QKV_HEADS: _qkv_heads_class}
 
 
 def uninstall() -> None:

@@ -136,26 +136,24 @@ class FusedQKVAttention(nn.Module):
             self.sliding_window = config.sliding_window
 
     def modelpatch_tp_plan(self, tp_size: int | None) -> dict[str, str]:
-        """Tensor-parallel plan (see :mod:`modelpatch.integrations.tensor_parallel`): ``qkv_proj`` split so that
-        each rank holds whole heads of q, k and v (``"modelpatch_packed_qkv_colwise"``), ``o_proj`` row-wise, as
-        Transformers splits ``q_proj``/``k_proj``/``v_proj`` and ``o_proj``.
+        """Tensor-parallel plan (see :mod:`modelpatch.integrations.tensor_parallel`), each rank ``1/tp_size`` of the
+        heads of each of q, k and v, ``o_proj`` row-wise, as Transformers splits ``q_proj``/``k_proj``/``v_proj``
+        and ``o_proj``. Multi-head attention: ``qkv_proj`` split by rows (``"modelpatch_packed_qkv_colwise"``);
+        grouped-query attention (q and k/v of different sizes): ``qkv_proj`` kept whole on every rank, each rank
+        computing its heads' rows (``"modelpatch_qkv_heads"`` on this module).
 
         Raises:
-            TensorParallelError: q and k/v differ in size (grouped-query attention: the split of each would not be
-                a placement Transformers' loader and ``full_tensor()`` know), or ``tp_size`` does not divide the
-                number of heads.
+            TensorParallelError: ``tp_size`` does not divide the number of query or of key/value heads.
         """
-        from ..integrations.tensor_parallel import PACKED_QKV_COLWISE, TensorParallelError
+        from ..integrations.tensor_parallel import PACKED_QKV_COLWISE, QKV_HEADS, TensorParallelError
 
         heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
-        if heads != kv_heads:
+        if tp_size is not None and (heads % tp_size or kv_heads % tp_size):
             raise TensorParallelError(
-                f"qkv_proj holds {heads} query heads and {kv_heads} key/value heads (grouped-query attention): "
-                "splitting each of q, k and v is supported for equal sizes only. Load without tp_plan, or apply "
-                "the fused-QKV recipe only to a model with num_key_value_heads == num_attention_heads"
+                f"{heads} query heads and {kv_heads} key/value heads do not split over tp_size={tp_size} ranks"
             )
-        if tp_size is not None and heads % tp_size:
-            raise TensorParallelError(f"{heads} attention heads do not split over tp_size={tp_size} ranks")
+        if heads != kv_heads:
+            return {"": QKV_HEADS, "o_proj": "rowwise"}
         return {"qkv_proj": PACKED_QKV_COLWISE, "o_proj": "rowwise"}
 
     def _window_kwargs(self) -> dict:
