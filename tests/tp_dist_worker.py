@@ -10,6 +10,7 @@ Loads with ``from_pretrained(..., tp_plan=...)`` and writes, from rank 0, ``OUT/
   state dict gathered (``full_tensor()``), ``generated``: 4 greedy tokens; for :data:`TRAINED` also ``trained``: the
   gathered state and ``trained_logits`` after one SGD step (lr :data:`LR`) on :data:`IDS`. Each model is saved
   with ``save_pretrained`` into ``OUT/saved-<name>`` before that step.
+* ``"idle"``: the gathered state of ``"experts"`` after :func:`idle_steps` (idle experts' zero gradients).
 * ``"refused"``: ``{case: "<ErrorClass>: <message>"}`` (or ``None`` when nothing was raised) for loads that must be
   refused: ``heads`` (``llama-fused-qkv`` on a llama with one key/value head: 2 ranks cannot split it),
   ``removed`` (a user ``tp_plan`` entry for
@@ -84,6 +85,17 @@ def sgd_step(model) -> None:
     model.eval()
 
 
+def idle_steps(model) -> None:
+    """2 steps of SGD with momentum on one token: top-2 of 4 experts, so 2 idle experts get zero gradients."""
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for _ in range(2):
+        model(IDS[:, :1], labels=IDS[:, 1:2]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
 def check_load(paths: dict, out: str, name: str) -> dict:
     from torch.distributed.tensor import DTensor
 
@@ -121,6 +133,9 @@ def main(checkpoints: str, out: str) -> None:
     with open(checkpoints) as fh:
         paths = json.load(fh)
     results: dict = {name: check_load(paths, out, name) for name in LOADS}
+    model = load(paths[LOADS["experts"][0]], LOADS["experts"][1], tp_plan="auto")
+    idle_steps(model)
+    results["idle"] = gathered(model)
     results["refused"] = {case: refused(paths, case) for case in REFUSED}
     import torch.distributed as dist
 

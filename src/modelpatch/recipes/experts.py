@@ -443,12 +443,31 @@ class _ZeroGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        ctx.params = [(p.shape, p.dtype, p.device, _dtensor_layout(p)) for p in params]
         return anchor.new_zeros(anchor.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+        return (None, *(_zeros(*param) for param in ctx.params))
+
+
+def _dtensor_layout(param: torch.Tensor) -> tuple | None:
+    """``(local shape, mesh, placements, stride)`` of a ``DTensor`` parameter (tensor parallelism), else ``None``."""
+    if not (hasattr(param, "device_mesh") and hasattr(param, "placements") and hasattr(param, "to_local")):
+        return None
+    return (param.to_local().shape, param.device_mesh, param.placements, param.stride())
+
+
+def _zeros(shape, dtype, device, layout) -> torch.Tensor:
+    """A zero gradient for a parameter: a ``DTensor`` of the parameter's layout for a ``DTensor`` parameter (an
+    optimizer cannot add a plain tensor to it)."""
+    if layout is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    from torch.distributed.tensor import DTensor
+
+    local, mesh, placements, stride = layout
+    zeros = torch.zeros(local, dtype=dtype, device=device)
+    return DTensor.from_local(zeros, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 @torch.library.custom_op("modelpatch::expert_positions", mutates_args=())
