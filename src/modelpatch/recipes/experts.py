@@ -578,7 +578,8 @@ class LinearExperts(nn.ModuleList):
             raise TensorParallelError(
                 "its experts have biases, which a row-wise split of the down projection would add once per rank"
             )
-        *inputs, down = self[0].names
+        first: ExpertMLP = self[0]  # type: ignore[assignment]  # ModuleList indexing is typed as Module
+        *inputs, down = first.names
         plan = {"": "moe_tp_experts"}
         for name in inputs:
             plan |= {f"*.{name}.weight": "colwise", f"*.{name}": "local_params"}
