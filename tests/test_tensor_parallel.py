@@ -183,3 +183,18 @@ def test_replacement_without_a_plan_is_refused_under_tensor_parallelism():
     assert model.tp_plan["model.layers.*.mlp.gate_proj"] == "colwise"  # untouched: refused only under TP
     with pytest.raises(TensorParallelError, match=r"model\.layers\.0\.mlp \(PlainMLP replacing LlamaMLP\), planned"):
         adapt_tensor_parallel_plan(model, REQUEST)
+
+
+def test_biased_experts_give_no_plan():
+    """Per-expert Linears with biases (gpt-oss): a row-split ``down`` bias would be added once per rank, so their
+    plan is refused (Transformers 5.23-5.25 does not shard gpt-oss's experts either: the model loads replicated)."""
+    from transformers import GptOssConfig
+
+    from helpers import TINY
+
+    config = GptOssConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    model = _built(config, "gpt_oss-linear-experts")
+    experts = model.model.layers[0].mlp.experts
+    with pytest.raises(TensorParallelError, match="its experts have biases"):
+        experts.modelpatch_tp_plan(2)
+    assert not [key for key in model.tp_plan if ".experts" in key], model.tp_plan
