@@ -142,7 +142,7 @@ def _built(config, recipe: str):
         return AutoModelForCausalLM.from_config(config)
 
 
-REQUEST = {"plan": "auto", "tp_size": 2, "ep": False}
+REQUEST = {"plan": "auto", "tp_size": 2, "tp": True, "ep": False}
 
 
 def test_plan_names_the_replacements_modules():

@@ -73,19 +73,20 @@ def _wildcard(name: str) -> str:
 
 
 def requested_tensor_parallelism(kwargs: dict) -> dict | None:
-    """What a ``from_pretrained`` call asks for: ``{"plan": "auto" | dict | None, "tp_size": int | None, "ep":
-    bool}`` when it passes ``tp_plan``/``tp_size`` or a ``distributed_config`` with tensor (or expert) parallelism,
-    else ``None``."""
+    """What a ``from_pretrained`` call asks for: ``{"plan": "auto" | dict | None, "tp_size": int | None, "tp":
+    bool, "ep": bool}`` when it passes ``tp_plan``/``tp_size`` or a ``distributed_config`` with tensor or expert
+    parallelism, else ``None``."""
     config = kwargs.get("distributed_config")
     if config is not None:
         get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
         plan, size, ep = get("tp_plan"), get("tp_size"), (get("ep_size") or 1) > 1
-        if plan is None and (size or 1) <= 1 and not ep:
+        tp = (plan is not None and plan != {}) or (size or 1) > 1
+        if not tp and not ep:
             return None
-        return {"plan": plan, "tp_size": size, "ep": ep}
+        return {"plan": plan, "tp_size": size, "tp": tp, "ep": ep}
     if kwargs.get("tp_plan") is None and kwargs.get("tp_size") is None:
         return None
-    return {"plan": kwargs.get("tp_plan"), "tp_size": kwargs.get("tp_size"), "ep": False}
+    return {"plan": kwargs.get("tp_plan"), "tp_size": kwargs.get("tp_size"), "tp": True, "ep": False}
 
 
 def _tp_size(request: dict | None) -> int | None:
@@ -141,7 +142,7 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
         if give is None:
             refused.append(f"{_describe(path, module)}, planned {sorted(under)}")
             continue
-        if request is not None:
+        if request is not None and request["tp"]:
             try:
                 own = give(tp_size)
             except TensorParallelError as e:
@@ -163,7 +164,7 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
     model._tp_plan = plan
     if request is None:
         return
-    if refused:
+    if refused and request["tp"]:
         raise TensorParallelError(
             f"from_pretrained(tp_plan={request['plan']!r}): Transformers' tensor-parallel plan of "
             f"{type(model).__name__} shards modules that modelpatch replaced with classes that give no plan of "
@@ -283,6 +284,11 @@ def _qkv_heads_class() -> type:
                 ]
             )
             proj = module.qkv_proj
+            if type(proj) is not nn.Linear:  # its forward is replaced by a row-selecting F.linear below
+                raise TensorParallelError(
+                    f"qkv_proj is a {type(proj).__name__} (quantized, or wrapped): splitting grouped-query heads "
+                    "works on a plain nn.Linear only"
+                )
 
             def forward(hidden_states):
                 hidden_states = _AllReduceBackward.apply(hidden_states, group)  # each rank's rows: a partial sum
@@ -293,7 +299,7 @@ def _qkv_heads_class() -> type:
             def all_reduce(param):  # each rank's gradient holds its rows only
                 dist.all_reduce(param.grad, group=group)
 
-            proj.forward = forward
+            proj.forward = forward  # type: ignore[method-assign]  # as Transformers installs its styles
             proj.register_forward_pre_hook(_hook_gradients(all_reduce))
             return module
 
