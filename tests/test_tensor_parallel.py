@@ -130,9 +130,11 @@ def test_tensor_parallel_loads_generates_saves_and_trains_like_one_process(tmp_p
     assert removed.startswith("TensorParallelError: from_pretrained(tp_plan=...) entry "), removed
     assert "'model.layers.*.self_attn.q_proj'" in removed and "(a recipe removed it)" in removed, removed
     assert "model.layers.0.self_attn (FusedQKVQwen2MoeAttention replacing Qwen2MoeAttention)" in removed, removed
-    split = refused["split"]
-    assert "'model.layers.*.self_attn.qkv_proj': 'colwise'" in split, split
-    assert f"splits it as '{PACKED_QKV_COLWISE}'" in split, split
+    for case in ("split", "split_config"):
+        split = refused[case]
+        assert split.startswith("TensorParallelError: from_pretrained(tp_plan=...) entry "), split
+        assert "'model.layers.*.self_attn.qkv_proj': 'colwise'" in split, split
+        assert f"splits it as '{PACKED_QKV_COLWISE}'" in split, split
 
 
 def _built(config, recipe: str):

@@ -13,8 +13,9 @@ Loads with ``from_pretrained(..., tp_plan=...)`` and writes, from rank 0, ``OUT/
 * ``"idle"``: the gathered state of ``"experts"`` after :func:`idle_steps` (idle experts' zero gradients).
 * ``"refused"``: ``{case: "<ErrorClass>: <message>"}`` (or ``None`` when nothing was raised) for loads that must be
   refused: ``heads`` (``llama-fused-qkv`` on a llama with one key/value head: 2 ranks cannot split it),
-  ``removed`` (a user ``tp_plan`` entry for
-  ``q_proj``, which the fused-QKV recipe removed), ``split`` (a user ``colwise`` entry for the fused ``qkv_proj``).
+  ``removed`` (a user ``tp_plan`` entry for ``q_proj``, which the fused-QKV recipe removed), ``split`` (a user
+  ``colwise`` entry for the fused ``qkv_proj``), ``split_config`` (the same passed as
+  ``distributed_config=DistributedConfig(tp_plan=...)``).
 
 :func:`load` (the same load in one process) is the reference the test compares with.
 """
@@ -39,6 +40,8 @@ REFUSED = {
     "heads": ("llama_mqa", "llama-fused-qkv", "auto"),
     "removed": ("qwen2_moe_mha", "qwen2_moe-fused-qkv", {"model.layers.*.self_attn.q_proj": "colwise"}),
     "split": ("qwen2_moe_mha", "qwen2_moe-fused-qkv", {"model.layers.*.self_attn.qkv_proj": "colwise"}),
+    # the same through Transformers' newer argument, distributed_config=DistributedConfig(tp_plan=...)
+    "split_config": ("qwen2_moe_mha", "qwen2_moe-fused-qkv", {"model.layers.*.self_attn.qkv_proj": "colwise"}),
 }
 
 
@@ -120,9 +123,12 @@ def check_load(paths: dict, out: str, name: str) -> dict:
 
 
 def refused(paths: dict, case: str) -> str | None:
+    from transformers.distributed import DistributedConfig
+
     checkpoint, recipe, plan = REFUSED[case]
+    kwargs = {"distributed_config": DistributedConfig(tp_plan=plan)} if case.endswith("_config") else {"tp_plan": plan}
     try:
-        load(paths[checkpoint], recipe, tp_plan=plan)
+        load(paths[checkpoint], recipe, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported to the test
         return f"{type(e).__name__}: {e}"
     return None
