@@ -159,7 +159,7 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
             del plan[key]
         for key, style in own.items():
             plan[f"{generic}.{key}" if key else generic] = style
-            if style in _STYLES:
+            if style in _STYLES and _distributed():
                 _register(style)  # before Transformers validates the plan's styles
     model._tp_plan = plan
     if request is None:
@@ -200,6 +200,12 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
                     f"from_pretrained(tp_plan=...) entry {key!r}: {style!r} is for {_describe(path, module)}, "
                     f"and {why} (its plan: {own or 'replicated'}). Drop the entry, or load without the patch."
                 )
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available()
 
 
 def _register(name: str) -> Any:
