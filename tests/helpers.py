@@ -8,6 +8,7 @@ heads) and MoE decoders :data:`TINY_MOE` (experts of 32, top-2); only what a fam
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from transformers import (
     BertConfig,
     CLIPVisionConfig,
@@ -179,3 +180,15 @@ def save_tiny(model_cls, config, path, seed: int = 0):
 
 
 INPUT_IDS = torch.tensor([[1, 5, 9, 17, 33, 64, 2, 7]])
+
+
+class Inert(nn.Module):
+    """A replacement that takes any constructor arguments and holds nothing: where a test needs a class, not a layer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+def modelpatch_records(caplog, level: int) -> list[str]:
+    """The messages modelpatch's own logger emitted at exactly ``level`` (``caplog`` is pytest's fixture)."""
+    return [r.getMessage() for r in caplog.records if r.name == "modelpatch" and r.levelno == level]
