@@ -185,3 +185,24 @@ def test_wrap_refuses_bad_arguments_and_changes_nothing():
     with pytest.raises(AttributeError, match="'build'"):
         undo.wrap(type("Sub", (_Library,), {}), "build", lambda x: x, raw=True)  # inherited: not in the class dict
     assert len(undo) == 0 and "missing" not in vars(_Library)
+
+
+def test_enter_context_exits_the_manager_in_its_place_among_the_other_entries():
+    import contextlib
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def managed(label):
+        events.append(f"enter {label}")
+        try:
+            yield label.upper()
+        finally:
+            events.append(f"exit {label}")
+
+    undo = UndoStack()
+    assert undo.enter_context(managed("a")) == "A"
+    undo.callback(events.append, "callback")
+    undo.enter_context(managed("b"))
+    undo.undo()
+    assert events == ["enter a", "enter b", "exit b", "callback", "exit a"]

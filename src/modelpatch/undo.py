@@ -128,6 +128,14 @@ class UndoStack:
             self._changes.append(("call", fn, args, kwargs))
         return fn
 
+    def enter_context(self, manager: Any) -> Any:
+        """Enter the context manager ``manager`` now and exit it at undo, in its place among the other entries (as
+        ``contextlib.ExitStack.enter_context``, except that its ``__exit__`` is always called with ``None`` s: the
+        undo runs after the ``with`` body, whatever ended it). Returns what ``__enter__`` returned."""
+        result = manager.__enter__()
+        self.callback(manager.__exit__, None, None, None)
+        return result
+
     def wrap(
         self,
         owner: object,
@@ -189,7 +197,7 @@ class UndoStack:
         for kind, target, name, previous in reversed(changes):
             try:
                 _restore(kind, target, name, previous)
-            except BaseException as exc:  # keep undoing the rest
+            except BaseException as exc:  # noqa: BLE001 - keep undoing the rest; the first error is raised below
                 error = error or exc
         if error is not None:
             raise error

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 
 from ..conversion.rules import as_modelpatch_rule
 from ..recipes import Recipe, RuleSpec, UnknownRecipeError, UnsupportedExpertsError, get_recipe
+from ..undo import UndoStack
 from .errors import CliError
 from .sandbox import (
     Registrations,
@@ -57,12 +58,13 @@ def _load_module(source: str):
             calls and the import to write instead.
     """
     before, transformers_before = current_registrations(), TransformersRegistries.read()
-    try:
-        module = _import(source)
-    finally:
-        after, transformers_after = current_registrations(), TransformersRegistries.read()
-        set_registrations(before)
-        transformers_before.restore()
+    with UndoStack() as undo:  # both registries as they were, also when the import raises
+        undo.callback(transformers_before.restore)
+        undo.callback(set_registrations, before)
+        try:
+            module = _import(source)
+        finally:  # what the import registered, read before the undo removes it
+            after, transformers_after = current_registrations(), TransformersRegistries.read()
     foreign = transformers_after.changes_since(transformers_before)
     if foreign:
         raise CliError(
@@ -105,7 +107,7 @@ def _import(source: str):
         if exc.name and source.startswith(exc.name):
             raise CliError(f"patches module '{source}' not found (give a module name or a .py file)") from None
         raise CliError(f"patches module '{source}' raised ModuleNotFoundError: {exc}") from None
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any error in user code becomes one line
         raise CliError(f"patches module '{source}' raised {type(exc).__name__}: {exc}") from None
 
 

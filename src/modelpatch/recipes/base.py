@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import ModelpatchTypeError, ModelpatchValueError
+from ..undo import UndoStack
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -146,15 +147,14 @@ class Recipe:
         from ..patching.registry import register_patch_mapping, unregister_patch_mapping
 
         register_patch_mapping(dict(self.patch_mapping))
-        done = []
+        registered = UndoStack()  # undone only if a later registration raises
+        registered.callback(unregister_patch_mapping, list(self.patch_mapping))
         try:
             for name, spec in self.conversion.items():
                 register_checkpoint_conversion_mapping(name, spec.rules(), overwrite=spec.overwrite)
-                done.append(name)
+                registered.callback(unregister_checkpoint_conversion_mapping, name)
         except BaseException:
-            for name in done:
-                unregister_checkpoint_conversion_mapping(name)
-            unregister_patch_mapping(list(self.patch_mapping))
+            registered.undo()
             raise
 
     def unregister(self) -> None:
