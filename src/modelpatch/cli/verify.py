@@ -253,7 +253,7 @@ def run_verify(
         steps.set_postfix_str("vanilla load")
         try:
             vanilla, vanilla_info, result.load_seconds["vanilla"] = _timed_load(cls, model_dir, torch_dtype, None)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any load error becomes one line naming the folder
             raise CliError(f"loading '{model_dir}' without patches failed: {type(exc).__name__}: {exc}") from None
         problem = converted_layout_error(
             model_dir, recipe, config, vanilla_info, source_args or f"--recipe {recipe.name}"
@@ -389,7 +389,7 @@ def _load_for_training(cls, path: str, recipe: Recipe | None, dtype: torch.dtype
     kwargs = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     try:
         return _timed_load(cls, path, dtype, recipe, **kwargs)[0]
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any load error becomes one line naming the dtype and the folder
         which = "unpatched" if recipe is None else "patched"
         name = str(dtype).removeprefix("torch.")
         raise CliError(f"{name} {which} load of '{path}' for --train failed: {type(exc).__name__}: {exc}") from None
