@@ -66,7 +66,7 @@ def tiny_qwen3_config(**overrides) -> Qwen3Config:
 
 
 def tiny_qwen2_moe_config(**overrides) -> Qwen2MoeConfig:
-    """Multi-head attention (4 key/value heads) unless overridden, like the founding document's example."""
+    """Multi-head attention (4 key/value heads) unless overridden: the seed example's fused QKV assumes MHA."""
     return _config(
         Qwen2MoeConfig,
         TINY,

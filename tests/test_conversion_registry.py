@@ -108,7 +108,7 @@ def test_patterns_match_on_module_path_boundaries():
     assert renaming.rename_source_key("layers.0.attn.q.weight")[0] == "layers.0.self_attn.q.weight"
 
 
-def test_founding_override_does_not_survive_unregister(qwen2_moe):
+def test_overwrite_rule_does_not_survive_unregister(qwen2_moe):
     _, folder, ck = qwen2_moe
     register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE], overwrite=True)
     with apply_patches({"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}):
@@ -117,8 +117,8 @@ def test_founding_override_does_not_survive_unregister(qwen2_moe):
     _assert_vanilla_experts_loaded(folder, ck)
 
 
-def test_founding_cleanup_clear_patch_mapping_also_drops_the_override(qwen2_moe):
-    # the founding document cleans up with clear_patch_mapping() only; in the reference the qwen2_moe
+def test_clear_patch_mapping_also_drops_the_overwrite_rule(qwen2_moe):
+    # a user who cleans up with clear_patch_mapping() only: with Transformers' own registries the qwen2_moe
     # override survives that and every later vanilla load gets randomly initialised experts
     _, folder, ck = qwen2_moe
     with patched({"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}):

@@ -95,7 +95,7 @@ def test_recipes_the_support_table_measured_inexact_are_not_offered():
     assert "LagunaExperts" not in generic.patch_mapping and "qwen3_moe" in generic.model_types
 
 
-def test_full_example_is_the_founding_documents():
+def test_full_example_is_the_two_recipes_combined():
     # per-expert experts + fused QKV: Concatenate on q/k/v, the built-in fusion dropped, and the linear-experts
     # recipe's readers of the fused experts layout (so a save_original_format=False checkpoint loads exactly too)
     assert FULL_EXAMPLE.patch_mapping == {

@@ -2,7 +2,7 @@
 
 ``verify`` compares a patched load with an *unpatched* reference load, so nothing registered process-wide may be in
 force while the command runs: not what the caller registered before calling :func:`modelpatch.cli.main` in-process,
-and not what a patches file registers when it is imported (a file written like the founding document calls
+and not what a patches file registers when it is imported (a file that calls
 ``register_patch_mapping(...)`` / ``register_checkpoint_conversion_mapping(...)`` at import instead of defining
 ``PATCH_MAPPING``; left in the registry, those registrations patched the reference load too and ``verify`` compared
 the patched model with itself).

@@ -8,8 +8,9 @@ A **patches file** (``--patches path/to/patches.py``) or **module** (``--patches
 ``CONVERSION_OVERWRITE``  optional, ``True`` (every name) or a collection of names whose built-in Transformers
                           rules are dropped (``register_checkpoint_conversion_mapping(..., overwrite=True)``)
 
-or, instead of all three, ``RECIPE = modelpatch.recipes.Recipe(...)``; or it registers its patches when imported,
-as the founding document does (``register_patch_mapping(...)``, ``register_checkpoint_conversion_mapping(...)``).
+or, instead of all three, ``RECIPE = modelpatch.recipes.Recipe(...)``; or it registers its patches when imported
+(``register_patch_mapping(...)``, ``register_checkpoint_conversion_mapping(...)`` at module level, the way scripts
+written for Transformers' own registries do it).
 What it registers is read back (the registries before and after the import are compared), taken as patches under
 test together with what it defines, and removed from the registries again: the command's reference load stays
 unpatched (see :mod:`.sandbox`). A file that defines nothing and registers nothing is an error.

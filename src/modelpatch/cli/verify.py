@@ -25,8 +25,8 @@ With ``--train`` (see :mod:`.train_check`) two more, after ``--steps`` steps of 
 fp32-noise bound of the unpatched one, and the steps moved the weights beyond it) and ``gradients`` (no trainable
 parameter left with ``grad=None`` where the unpatched model has a gradient).
 
-With no ``--model`` and no ``--recipe``/``--patches`` it runs the founding document's full example (recipe
-``qwen2_moe-full-example``) on the built-in tiny Qwen2-MoE checkpoint (see :mod:`.checkpoint`).
+With no ``--model`` and no ``--recipe``/``--patches`` it runs the full example (recipe ``qwen2_moe-full-example``:
+per-expert experts + fused QKV + a ``Concatenate`` rule) on the built-in tiny Qwen2-MoE checkpoint (see :mod:`.checkpoint`).
 
 The reference ("vanilla") load runs with nothing registered process-wide in force (see :mod:`.sandbox`). A folder
 already in the layout the recipe converts to (written by ``modelpatch convert``) is a one-line error, not four

@@ -3,8 +3,8 @@
 A recipe is applied either for one block (``with recipe.apply(): ...``, nothing left behind on exit, also on
 error), for the process (``recipe.register()`` / ``recipe.unregister()``), or to a model already built
 (``recipe.patch(model)``, revertible). Two recipes combine with ``+``
-(mappings merged, rules of the same ``model_type`` concatenated), e.g. the founding document's full example is
-``get_recipe("qwen2_moe-fused-qkv") + get_recipe("qwen2_moe-linear-experts")``.
+(mappings merged, rules of the same ``model_type`` concatenated), e.g. the full example (per-expert experts and
+fused QKV on qwen2_moe) is ``get_recipe("qwen2_moe-fused-qkv") + get_recipe("qwen2_moe-linear-experts")``.
 """
 
 from __future__ import annotations
