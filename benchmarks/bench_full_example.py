@@ -1,4 +1,4 @@
-"""Benchmark: the founding document's full example (qwen2_moe: per-expert experts + fused QKV + ``Concatenate``).
+"""Benchmark: the full example (qwen2_moe: per-expert experts + fused QKV + ``Concatenate``).
 
 Three ways to load the same ~90M-parameter Qwen2-MoE checkpoint, each load in a fresh subprocess (so peak RSS is
 the load's own), interleaved and repeated, medians compared in this run:
@@ -7,7 +7,7 @@ the load's own), interleaved and repeated, medians compared in this run:
 * ``modelpatch``    ``modelpatch.recipes.FULL_EXAMPLE.apply()``;
 * ``transformers``  the same replacement classes through ``transformers.monkey_patching.register_patch_mapping``
                     and ``transformers.conversion_mapping.register_checkpoint_conversion_mapping(..., overwrite=True)``
-                    (Transformers' own implementation of the feature, as the founding document writes it).
+                    (Transformers' own implementation of the feature, as a script for it is written).
 
 Figures: ``from_pretrained`` wall time, peak RSS (``VmHWM``) right after it and once every weight has been read
 (tensors left memory-mapped by a lazy load only count then), ``save_pretrained`` time (with reverse conversion for

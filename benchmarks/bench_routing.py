@@ -6,9 +6,9 @@ Compares, per forward (eval, no_grad), the median time of
 * the plain forward of the untouched model,
 * ``modelpatch.routing.record_routing`` (a block per forward, enter/exit included),
 * ``modelpatch.routing.replay_routing`` (a block per forward, enter/exit included),
-* the founding document's recipe: a ``Qwen3MoeTopKRouter`` subclass swapped in with
+* the recipe written against Transformers' own API: a ``Qwen3MoeTopKRouter`` subclass swapped in with
   ``transformers.monkey_patching`` and an ``OutputRecorder`` written into ``_CAN_RECORD_REGISTRY`` (keyed by the
-  model instance, as Transformers 5.23 requires; the document's ``str(cls)`` key no longer works).
+  model instance, as Transformers 5.23 requires; the ``str(cls)`` key such recipes used no longer works).
 
 Rounds are interleaved so that machine noise hits every variant alike. Prints ratios to the plain forward, of
 wall-clock medians and of process-CPU-time medians (``time.process_time``; with ``--threads 1`` this is the
@@ -34,7 +34,7 @@ from transformers.utils import logging
 from modelpatch.routing import record_routing, replay_routing
 
 
-# --- the founding document's recipe (verbatim apart from the registry key) -------------------------------------
+# --- the recipe written against Transformers' own API (its registry key fixed) ----------------------------------
 class ReplayableQwen3MoeTopKRouter(Qwen3MoeTopKRouter):
     _forced_indices: torch.Tensor | None = None
 

@@ -104,7 +104,7 @@ class MoeMLP(nn.Module):
 
 
 class ModuleListExperts(nn.ModuleList):
-    """The founding document's per-expert experts (one ``MoeMLP`` per expert)."""
+    """Per-expert experts: an ``nn.ModuleList`` of one ``MoeMLP`` per expert, in place of the fused experts."""
 
     def __init__(self, config):
         super().__init__()

@@ -8,6 +8,7 @@ heads) and MoE decoders :data:`TINY_MOE` (experts of 32, top-2); only what a fam
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from transformers import (
     BertConfig,
     CLIPVisionConfig,
@@ -65,7 +66,7 @@ def tiny_qwen3_config(**overrides) -> Qwen3Config:
 
 
 def tiny_qwen2_moe_config(**overrides) -> Qwen2MoeConfig:
-    """Multi-head attention (4 key/value heads) unless overridden, like the founding document's example."""
+    """Multi-head attention (4 key/value heads) unless overridden: the seed example's fused QKV assumes MHA."""
     return _config(
         Qwen2MoeConfig,
         TINY,
@@ -179,3 +180,15 @@ def save_tiny(model_cls, config, path, seed: int = 0):
 
 
 INPUT_IDS = torch.tensor([[1, 5, 9, 17, 33, 64, 2, 7]])
+
+
+class Inert(nn.Module):
+    """A replacement that takes any constructor arguments and holds nothing: where a test needs a class, not a layer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+def modelpatch_records(caplog, level: int) -> list[str]:
+    """The messages modelpatch's own logger emitted at exactly ``level`` (``caplog`` is pytest's fixture)."""
+    return [r.getMessage() for r in caplog.records if r.name == "modelpatch" and r.levelno == level]

@@ -195,7 +195,7 @@ def check(model_type: str, text_type: str) -> tuple[bool, str, str]:
     try:
         torch.manual_seed(0)
         model = _build(tiny_config(text_type, **_four_experts(text_type)))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - a family not buildable here is a row of the table, with the reason
         return False, family.original, f"tiny model not buildable here: {rc._why(e, 90)}"
     decorated = _decorated(model)
     if not decorated:
@@ -207,7 +207,7 @@ def check(model_type: str, text_type: str) -> tuple[bool, str, str]:
     inputs = rc._inputs(text_type, model)
     try:
         reference = _output(model, inputs)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - the row says why the unpatched model does not run
         return False, ", ".join(classes), f"the unpatched tiny model does not run here: {rc._why(e, 90)}"
     expected = {name: _slices(experts) for name, experts in decorated}
     names = "/".join(family.names)
@@ -254,7 +254,7 @@ def check(model_type: str, text_type: str) -> tuple[bool, str, str]:
                     plain = _load(cls, back).state_dict()
                     if not all(torch.equal(v, plain[k]) for k, v in model.state_dict().items()):
                         return False, ", ".join(classes), f"{layout}: plain Transformers load of the save differs"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - any failure is the row's reason
         return False, ", ".join(classes), rc._why(e)
     return True, ", ".join(classes), names
 

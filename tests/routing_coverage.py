@@ -297,11 +297,11 @@ def check_family(model_type: str) -> tuple[bool, str, str]:
     by a hook on the experts modules) with the trace. Returns ``(supported, router class, reason)``."""
     try:
         model = _build(model_type)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - a family not buildable here is a row of the table, with the reason
         return False, "?", f"tiny model not buildable here: {_why(e, 90)}"
     try:
         sites, _, _ = find_router_sites(model)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - discovery's refusal is the row's reason
         return False, "-", _why(e, 300)
     router = type(sites[0].module).__name__
     inputs = _inputs(model_type, model)
@@ -320,7 +320,7 @@ def check_family(model_type: str) -> tuple[bool, str, str]:
             for layer in trace.layers:
                 if not seen.routes(layer, torch.cat(trace[layer])):
                     return False, router, f"layer {layer}: replayed experts differ from the trace"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - any failure is the row's reason
         return False, router, _why(e)
     return True, router, ", ".join(dict.fromkeys(site.kind.name for site in sites))
 

@@ -14,7 +14,9 @@ import sys
 import pytest
 import torch
 import transformers
+from transformers import LlamaForCausalLM
 
+from helpers import save_tiny, tiny_llama_config
 from modelpatch.cli import main
 from modelpatch.cli.checkpoint import example_checkpoint
 from recipes_support import MINILM_DIR, save_case, tensors
@@ -447,3 +449,22 @@ def test_json_stdout_holds_the_report_alone(tmp_path, capsys):
         assert handler.stream is sys.stdout and code == 0
     finally:
         noisy.removeHandler(handler)
+
+
+def test_verify_json_is_strict_json_when_the_outputs_are_nan(tmp_path, capsys):
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path / "ck")
+    (tmp_path / "nan.py").write_text(
+        "from transformers.models.llama.modeling_llama import LlamaAttention\n"
+        "from modelpatch import register_patch_mapping\n"
+        "class NanAttention(LlamaAttention):\n"
+        "    def forward(self, *a, **k):\n"
+        "        out, w = super().forward(*a, **k)\n"
+        "        return out * float('nan'), w\n"
+        "register_patch_mapping({'LlamaAttention': NanAttention})\n"
+    )
+    capsys.readouterr()
+    status = main(["verify", "--model", str(tmp_path / "ck"), "--patches", str(tmp_path / "nan.py"), "--json"])
+    out = capsys.readouterr().out
+    assert status == 1
+    document = json.loads(out, parse_constant=lambda token: pytest.fail(f"non-standard JSON token {token}"))
+    assert "NaN" in json.dumps(document)

@@ -1,5 +1,5 @@
-"""The command line with patches files written like the founding document (registrations at import, Transformers'
-rule classes, helper modules beside the file), converted and broken checkpoint folders, and the small things
+"""The command line with patches files written as scripts for Transformers' own registries are (registrations at
+import, Transformers' rule classes, helper modules beside the file), converted and broken checkpoint folders, and the small things
 (``--version``, ``--help`` text, messages).
 
 Every test runs the real ``modelpatch.cli.main`` on tiny real checkpoints (llama, hidden 64, 2 layers, GQA, q/k/v
@@ -48,8 +48,8 @@ class ScaledAttention(LlamaAttention):
         return out * {SCALE}, weights
 """
 
-# the founding document's way: registrations at import, Transformers' rule classes, a helper module beside the file
-FOUNDING_STYLE = """
+# the script way: registrations at import, Transformers' rule classes, a helper module beside the file
+SCRIPT_STYLE = """
 from transformers import Concatenate, WeightConverter
 from modelpatch import register_checkpoint_conversion_mapping, register_patch_mapping
 from {helper} import MyAttention
@@ -129,13 +129,13 @@ def test_registered_patch_that_changes_the_outputs_fails(style, llama, expected_
     assert get_patch_mapping() == {}  # what the file registered is gone again
 
 
-def test_founding_style_file_passes_and_leaves_the_process_as_it_was(llama, tmp_path, capsys):
+def test_script_style_file_passes_and_leaves_the_process_as_it_was(llama, tmp_path, capsys):
     """Registrations at import + Transformers' WeightConverter/Concatenate + a helper module beside the file."""
     write(
-        tmp_path / "patches" / "founding_helpers_a.py",
+        tmp_path / "patches" / "script_helpers_a.py",
         "from modelpatch.recipes.attention import FusedQKVLlamaAttention as MyAttention\n",
     )
-    patches = write(tmp_path / "patches" / "founding.py", FOUNDING_STYLE.format(helper="founding_helpers_a"))
+    patches = write(tmp_path / "patches" / "script_style.py", SCRIPT_STYLE.format(helper="script_helpers_a"))
     path_before = list(sys.path)
     code, report = run_json(capsys, ["verify", "--model", llama, "--patches", patches, "--no-progress"])
     assert code == 0, report["checks"]
@@ -148,7 +148,7 @@ def test_founding_style_file_passes_and_leaves_the_process_as_it_was(llama, tmp_
     # the process is left as it was: registries, sys.path, the helper module
     assert get_patch_mapping() == {} and user_conversion_names() == set()
     assert sys.path == path_before
-    assert [name for name in sys.modules if name.startswith(("founding_helpers", "modelpatch_patches_"))] == []
+    assert [name for name in sys.modules if name.startswith(("script_helpers", "modelpatch_patches_"))] == []
 
 
 def test_reference_load_ignores_what_the_caller_registered(llama, capsys):

@@ -20,7 +20,7 @@ from conversion_models import (
     patched,
     randomize_,
 )
-from helpers import tiny_llama_config
+from helpers import save_tiny, tiny_llama_config, tiny_qwen2_moe_config
 from modelpatch.conversion import (
     ConversionError,
     apply_conversion_rules,
@@ -135,3 +135,16 @@ def test_offline_convert_refuses_a_non_empty_destination(sharded_llama, tmp_path
     with pytest.raises(ConversionError, match="exists and is not empty"):
         convert_checkpoint(folder, tmp_path / "out", rules=[QKV_RULE])
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+
+
+def test_load_converted_state_dict_applies_transformers_builtin_rules(tmp_path):
+    # Trainer resume of a plain qwen2_moe: the checkpoint stores one tensor per expert, the model a fused one
+    from transformers import Qwen2MoeForCausalLM
+
+    from modelpatch import load_converted_state_dict
+
+    vanilla = save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(), tmp_path)
+    fresh = Qwen2MoeForCausalLM(tiny_qwen2_moe_config())
+    load_converted_state_dict(fresh, tmp_path)
+    for name, tensor in vanilla.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name

@@ -77,7 +77,7 @@ def test_fused_qkv_load_and_save(case, tmp_path_factory, tmp_path):
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_founding_document_qwen2_moe_example(kv_heads, tmp_path_factory, tmp_path):
+def test_seed_qwen2_moe_full_example(kv_heads, tmp_path_factory, tmp_path):
     """The seed's full example: per-expert ModuleListExperts + FusedQKVAttention + a Concatenate rule registered
     with overwrite=True over the built-in qwen2_moe rules."""
     vanilla, folder, ck = saved(

@@ -22,7 +22,7 @@ from conversion_models import (
     patched,
     randomize_,
 )
-from helpers import tiny_llama_config, tiny_qwen2_moe_config
+from helpers import INPUT_IDS, save_tiny, tiny_llama_config, tiny_qwen2_moe_config
 from modelpatch import apply_patches
 from modelpatch.conversion import (
     Concatenate,
@@ -37,6 +37,8 @@ from modelpatch.conversion import (
     unregister_checkpoint_conversion_mapping,
 )
 from modelpatch.errors import ModelpatchValueError
+from modelpatch.recipes import get_recipe
+from modelpatch.recipes.attention import FusedQKVLlamaAttention
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_patterns_match_on_module_path_boundaries():
     assert renaming.rename_source_key("layers.0.attn.q.weight")[0] == "layers.0.self_attn.q.weight"
 
 
-def test_founding_override_does_not_survive_unregister(qwen2_moe):
+def test_overwrite_rule_does_not_survive_unregister(qwen2_moe):
     _, folder, ck = qwen2_moe
     register_checkpoint_conversion_mapping("qwen2_moe", [QKV_RULE], overwrite=True)
     with apply_patches({"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}):
@@ -115,8 +117,8 @@ def test_founding_override_does_not_survive_unregister(qwen2_moe):
     _assert_vanilla_experts_loaded(folder, ck)
 
 
-def test_founding_cleanup_clear_patch_mapping_also_drops_the_override(qwen2_moe):
-    # the founding document cleans up with clear_patch_mapping() only; in the reference the qwen2_moe
+def test_clear_patch_mapping_also_drops_the_overwrite_rule(qwen2_moe):
+    # a user who cleans up with clear_patch_mapping() only: with Transformers' own registries the qwen2_moe
     # override survives that and every later vanilla load gets randomly initialised experts
     _, folder, ck = qwen2_moe
     with patched({"Qwen2MoeExperts": ModuleListExperts, "Qwen2MoeAttention": FusedQKVAttention}):
@@ -283,3 +285,72 @@ def test_sub_model_class_rules_compose_with_a_recipes_model_type_rules(qwen2_moe
     )
     model.save_pretrained(tmp_path)
     assert_same_tensors(checkpoint(tmp_path), ck)
+
+
+# -- apply_patches(conversion_rules=..., overwrite=...) ---------------------------------------------------------------
+
+
+QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+
+
+def test_conversion_rules_as_a_list_is_a_type_error_naming_the_form():
+    with pytest.raises(TypeError, match=r"conversion_rules=\{'llama': \[rule\]\}"):
+        apply_patches({"LlamaAttention": FusedQKVLlamaAttention}, conversion_rules=[QKV])
+
+
+def test_overwrite_names_must_have_rules():
+    with pytest.raises(ValueError, match="mixtral"):
+        apply_patches(
+            {"LlamaAttention": FusedQKVLlamaAttention}, conversion_rules={"llama": [QKV]}, overwrite=["mixtral"]
+        )
+    with pytest.raises(ValueError, match="conversion_rules"):
+        apply_patches({"LlamaAttention": FusedQKVLlamaAttention}, overwrite=True)
+
+
+def test_apply_patches_with_overwrite_loads_like_the_recipe(tmp_path):
+    """The full example recipe (per-expert experts, built-in expert fusion dropped with overwrite) and the same
+    mapping and rules given to apply_patches produce identical models: one code path."""
+    save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(), tmp_path)
+    recipe = get_recipe("qwen2_moe-full-example")
+    with recipe.apply(strict=True):
+        by_recipe = AutoModelForCausalLM.from_pretrained(tmp_path)
+    overwritten = [name for name, spec in recipe.conversion.items() if spec.overwrite]
+    assert overwritten == ["qwen2_moe"]
+    with apply_patches(
+        dict(recipe.patch_mapping), strict=True, conversion_rules=recipe.build_conversion_rules(), overwrite=overwritten
+    ):
+        by_block = AutoModelForCausalLM.from_pretrained(tmp_path)
+    a, b = by_recipe.state_dict(), by_block.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert any("experts.0." in k for k in a)  # per-expert layout, so overwrite really took effect
+
+
+# -- rules of strict and nested blocks --------------------------------------------------------------------------------
+
+
+def test_strict_block_raises_for_a_conversion_rule_matching_nothing(tmp_path):
+    from modelpatch.conversion import Concatenate, ConversionError, WeightConverter
+    from modelpatch.recipes.attention import FusedQKVLlamaAttention
+
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    qkv = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+    never = WeightConverter(["gate_a", "gate_b"], ["mlp.gate_ab"], [Concatenate(dim=0)])
+    with pytest.raises(ConversionError, match="gate_a.*matched no checkpoint key"):
+        with apply_patches(
+            {"LlamaAttention": FusedQKVLlamaAttention}, strict=True, conversion_rules={"llama": [qkv, never]}
+        ):
+            LlamaForCausalLM.from_pretrained(tmp_path)
+
+
+def test_nested_recipe_blocks_keep_both_conversion_rules(tmp_path):
+    # the inner block's rules for qwen2_moe used to replace the outer block's: fused qkv_proj came back random
+    from transformers import Qwen2MoeForCausalLM
+
+    from modelpatch.recipes import get_recipe
+
+    vanilla = save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(num_key_value_heads=2), tmp_path)
+    with get_recipe("qwen2_moe-fused-qkv").apply(strict=True):
+        with get_recipe("qwen2_moe-linear-experts").apply(strict=True):
+            model = Qwen2MoeForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert (model(INPUT_IDS).logits - vanilla(INPUT_IDS).logits).abs().max() < 1e-5

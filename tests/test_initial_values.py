@@ -1,6 +1,8 @@
 """A replacement's own parameters that the checkpoint does not provide keep the values its ``__init__`` gives them
 (``from_pretrained`` allocates without running ``__init__`` on real memory: they held values like 1e34)."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -52,3 +54,25 @@ def test_checkpoint_tensors_no_rule_read_are_an_error_unless_allowed(tmp_path):
         assert layer.self_attn.scale.tolist() == [7.0] * 4
         assert torch.isfinite(layer.self_attn.inner.q_proj.weight).all()
         assert layer.self_attn.inner.q_proj.weight.abs().max() < 1.0  # the model's init (std 0.02), not garbage
+
+
+def test_replacement_parameters_missing_from_checkpoint_are_named(tmp_path, caplog):
+    # a fused replacement loaded without conversion rules: Transformers initialises qkv_proj at random
+    from modelpatch import ConversionError, allow_init_values
+    from modelpatch.recipes.attention import FusedQKVLlamaAttention
+
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
+    # the checkpoint's q/k/v tensors are there, unread: an error by default (it was a warning, and a model whose
+    # qkv_proj computed with random values)
+    with pytest.raises(ConversionError) as info, apply_patches({"LlamaAttention": FusedQKVLlamaAttention}):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+    assert "model.layers.0.self_attn (FusedQKVLlamaAttention replacing LlamaAttention): qkv_proj.weight" in str(
+        info.value
+    )
+    with allow_init_values(), caplog.at_level(logging.WARNING, logger="modelpatch"):
+        with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}):
+            LlamaForCausalLM.from_pretrained(tmp_path)
+    assert "model.layers.0.self_attn (FusedQKVLlamaAttention replacing LlamaAttention): qkv_proj.weight" in caplog.text
+    with pytest.raises(ConversionError, match="model.layers.1.self_attn"):
+        with apply_patches({"LlamaAttention": FusedQKVLlamaAttention}, strict=True):
+            LlamaForCausalLM.from_pretrained(tmp_path)

@@ -159,3 +159,14 @@ def test_every_subpackage_opens_with_a_docstring_that_maps_its_modules():
         modules = sorted(p.stem for p in (SRC / package).glob("*.py") if p.stem != "__init__")
         missing = [m for m in modules if f"``{m}``" not in doc and f"{m}`" not in doc]
         assert missing == [], f"modelpatch.{package}: modules missing from the docstring map: {missing}"
+
+
+def test_every_blind_except_says_why():
+    """ruff selects BLE (blind except); each ``# noqa: BLE001`` carries its reason after `` - ``."""
+    bare = [
+        f"{path.relative_to(SRC.parent)}:{number}"
+        for path in sorted(SRC.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "# noqa: BLE001" in line and not line.split("# noqa: BLE001", 1)[1].startswith(" - ")
+    ]
+    assert bare == []

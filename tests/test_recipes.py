@@ -5,19 +5,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BertModel
+from transformers import AutoModelForCausalLM, BertModel, LlamaForCausalLM
 
-from modelpatch import ConversionError, UnmatchedPatchKeyError, apply_patches, get_patch_mapping
+from helpers import save_tiny, tiny_llama_config
+from modelpatch import (
+    Concatenate,
+    ConversionError,
+    UnmatchedPatchKeyError,
+    WeightConverter,
+    apply_patches,
+    get_patch_mapping,
+)
+from modelpatch.cli import main
 from modelpatch.conversion import get_checkpoint_conversion_mapping
+from modelpatch.errors import ModelpatchTypeError
 from modelpatch.recipes import (
     FULL_EXAMPLE,
     FUSED_QKV_CLASSES,
     LINEAR_EXPERTS_CLASSES,
     FusedQKVBertSelfAttention,
+    Recipe,
     UnknownRecipeError,
     get_recipe,
     list_recipes,
 )
+from modelpatch.recipes.attention import FusedQKVLlamaAttention
 from recipes_support import CASES, IDS, MINILM_DIR, save_case, tensors
 
 REQUIRED = [
@@ -83,7 +95,7 @@ def test_recipes_the_support_table_measured_inexact_are_not_offered():
     assert "LagunaExperts" not in generic.patch_mapping and "qwen3_moe" in generic.model_types
 
 
-def test_full_example_is_the_founding_documents():
+def test_full_example_is_the_two_recipes_combined():
     # per-expert experts + fused QKV: Concatenate on q/k/v, the built-in fusion dropped, and the linear-experts
     # recipe's readers of the fused experts layout (so a save_original_format=False checkpoint loads exactly too)
     assert FULL_EXAMPLE.patch_mapping == {
@@ -296,3 +308,29 @@ def test_experts_patch_without_rules_for_the_fused_layout_refuses_to_load(tmp_pa
         in message
     )
     assert "-linear-experts recipe" in message and "allow_init_values()" in message
+
+
+# -- recipes written by users -----------------------------------------------------------------------------------------
+
+
+QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+
+
+def test_recipe_takes_a_plain_list_of_rules(tmp_path, capsys):
+    """``Recipe(conversion={"llama": [rule]})`` crashed with AttributeError at apply/register and a traceback in the
+    CLI; a list is the form CONVERSION_RULES takes."""
+    save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path / "ck")
+    (tmp_path / "recipe_style.py").write_text(
+        "from modelpatch import Concatenate, WeightConverter\n"
+        "from modelpatch.recipes import Recipe\n"
+        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "RECIPE = Recipe(name='mine', description='x', patch_mapping={'LlamaAttention': FusedQKVLlamaAttention},\n"
+        "                conversion={'llama': [WeightConverter(['q_proj', 'k_proj', 'v_proj'], ['qkv_proj'],\n"
+        "                                                       [Concatenate(dim=0)])]})\n"
+    )
+    assert main(["verify", "--model", str(tmp_path / "ck"), "--patches", str(tmp_path / "recipe_style.py")]) == 0
+    recipe = Recipe("mine", "x", {"LlamaAttention": FusedQKVLlamaAttention}, conversion={"llama": [QKV]})
+    first, second = recipe.build_conversion_rules()["llama"], recipe.build_conversion_rules()["llama"]
+    assert len(first) == 1 and first[0] is not second[0] and first[0] is not QKV  # fresh copies per application
+    with pytest.raises(ModelpatchTypeError, match=r"conversion\['llama'\] must be a RuleSpec or a list"):
+        Recipe("bad", "x", {"LlamaAttention": FusedQKVLlamaAttention}, conversion={"llama": QKV})

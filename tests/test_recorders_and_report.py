@@ -1,14 +1,25 @@
 """Output recorders follow replacements per instance; patch_report and its warnings."""
 
+import copy
 import logging
+import pickle
 
 import pytest
 import torch
 import torch.nn as nn
-from transformers import BertModel, LlamaForCausalLM, LlamaModel, Qwen2MoeModel
+from transformers import (
+    BertModel,
+    LlamaForCausalLM,
+    LlamaModel,
+    Qwen2MoeForCausalLM,
+    Qwen2MoeModel,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.models.bert import modeling_bert
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2_moe import modeling_qwen2_moe
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 from transformers.utils.output_capturing import OutputRecorder
 
 from helpers import INPUT_IDS, save_tiny, tiny_bert_config, tiny_llama_config, tiny_qwen2_moe_config
@@ -19,7 +30,9 @@ from modelpatch import (
     register_output_recorder,
     register_patch_mapping,
     set_strict_patching,
+    unregister_output_recorder,
 )
+from modelpatch.errors import ModelpatchTypeError
 
 
 class SubclassAttention(modeling_llama.LlamaAttention):
@@ -244,3 +257,147 @@ def test_user_recorder_follows_a_non_subclass_replacement():
         captured[label] = model(ids, output_selected_experts=True).selected_experts
     assert len(captured["patched"]) == config.num_hidden_layers
     assert all(torch.equal(p, v) for p, v in zip(captured["patched"], captured["vanilla"]))
+
+
+# -- registration, overwrite, class-level recorders, copies -----------------------------------------------------------
+
+
+class QuietMLP(modeling_llama.LlamaMLP):
+    pass
+
+
+def eager_llama():
+    config = tiny_llama_config()
+    config._attn_implementation = "eager"
+    return LlamaModel(config)
+
+
+def modelpatch_hooks(model) -> int:
+    """How many forward hooks defined by modelpatch (user output recorders' hooks) ``model`` holds."""
+    return sum(
+        type(hook).__module__.startswith("modelpatch") for m in model.modules() for hook in m._forward_hooks.values()
+    )
+
+
+def test_builtin_recorder_name_is_rejected():
+    model = eager_llama()
+    for name in ("hidden_states", "attentions"):
+        with pytest.raises(ValueError, match=name):
+            register_output_recorder(model, name, modeling_llama.LlamaMLP)
+    assert len(model(INPUT_IDS, output_hidden_states=True).hidden_states) == 3
+
+
+def test_reregistering_needs_overwrite_and_replaces_hooks():
+    model = eager_llama()
+    register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaMLP, index=0))
+    assert [t.shape for t in model(INPUT_IDS, output_x=True).x] == [(1, 8, 64)] * 2
+    with pytest.raises(ValueError, match="overwrite"):
+        register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaAttention, index=1))
+    register_output_recorder(model, "x", OutputRecorder(modeling_llama.LlamaAttention, index=1), overwrite=True)
+    assert [t.shape for t in model(INPUT_IDS, output_x=True).x] == [(1, 4, 8, 8)] * 2
+    assert modelpatch_hooks(model) == 2  # one per attention layer; the MLP hooks were removed
+    unregister_output_recorder(model, "x")
+    assert "x" not in model(INPUT_IDS, output_x=True)  # asked for, but no longer registered: nothing captured
+    assert modelpatch_hooks(model) == 0  # unregistering removed the hooks it installed, exactly
+    with pytest.raises(KeyError):
+        unregister_output_recorder(model, "x")
+
+
+def test_class_level_recorder_reaches_instances_already_used():
+    used = eager_llama()
+    used(INPUT_IDS, output_hidden_states=True)  # Transformers installs its hooks now
+
+    class MyLlama(LlamaModel):
+        pass
+
+    register_output_recorder(LlamaModel, "mlp_out", OutputRecorder(modeling_llama.LlamaMLP, index=0))
+    try:
+        assert len(used(INPUT_IDS, output_mlp_out=True).mlp_out) == 2
+        assert len(eager_llama()(INPUT_IDS, output_mlp_out=True).mlp_out) == 2
+    finally:
+        unregister_output_recorder(LlamaModel, "mlp_out")
+    assert "mlp_out" not in used(INPUT_IDS, output_mlp_out=True)  # asked for: the class entry is gone
+    assert "mlp_out" not in eager_llama()(INPUT_IDS, output_mlp_out=True)
+
+
+def test_recorders_and_report_survive_deepcopy_and_pickle():
+    with apply_patches({"LlamaMLP": QuietMLP, "LlamaMLq": QuietMLP}):
+        model = LlamaModel(tiny_llama_config())
+    register_output_recorder(model, "mlp_out", OutputRecorder(QuietMLP, index=0))
+    clones = (copy.deepcopy(model), pickle.loads(pickle.dumps(model)))  # before Transformers' own hooks exist
+    expected = model(INPUT_IDS, output_mlp_out=True).mlp_out
+    for clone in clones:
+        got = clone(INPUT_IDS, output_mlp_out=True).mlp_out
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, expected))
+        report = patch_report(clone)
+        assert [r.path for r in report.rows] == ["layers.0.mlp", "layers.1.mlp"]
+        assert report.unmatched_keys == ["LlamaMLq"]
+
+
+# -- a recorder registered on a head model ----------------------------------------------------------------------------
+
+
+def _tiny_qwen3_moe_config():
+    return Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=128,
+    )
+
+
+@pytest.mark.parametrize(
+    "head_cls, config_fn, router_cls",
+    [
+        (Qwen2MoeForCausalLM, tiny_qwen2_moe_config, modeling_qwen2_moe.Qwen2MoeTopKRouter),
+        (Qwen3MoeForCausalLM, _tiny_qwen3_moe_config, modeling_qwen3_moe.Qwen3MoeTopKRouter),
+    ],
+    ids=["qwen2_moe", "qwen3_moe"],
+)
+def test_head_model_returns_a_recorder_registered_on_it(head_cls, config_fn, router_cls):
+    torch.manual_seed(0)
+    lm = head_cls(config_fn()).eval()
+    register_output_recorder(lm, "selected_experts", OutputRecorder(router_cls, index=2))
+    with torch.no_grad():
+        out = lm(INPUT_IDS, output_selected_experts=True)
+        base = lm.model(INPUT_IDS, output_selected_experts=True)
+        as_tuple = lm(INPUT_IDS, output_selected_experts=True, return_dict=False)
+        plain = lm(INPUT_IDS)
+    assert len(base.selected_experts) == 2
+    assert len(out.selected_experts) == 2  # one (tokens, top_k) tensor per layer, as the base model captures
+    assert [t.shape for t in out.selected_experts] == [torch.Size([INPUT_IDS.shape[1], 2])] * 2
+    assert all(torch.equal(a, b) for a, b in zip(out.selected_experts, base.selected_experts))
+    assert torch.equal(out.logits, plain.logits)
+    assert "selected_experts" not in plain  # not requested: no field
+    # return_dict=False: the tuple comes last, as to_tuple() places a new field
+    assert len(as_tuple) == len(plain.to_tuple()) + 1
+    assert all(torch.equal(a, b) for a, b in zip(as_tuple[-1], base.selected_experts))
+
+
+def test_head_recorder_survives_deepcopy_and_is_removed_by_unregister():
+    torch.manual_seed(0)
+    lm = Qwen2MoeForCausalLM(tiny_qwen2_moe_config()).eval()
+    register_output_recorder(lm, "selected_experts", OutputRecorder(modeling_qwen2_moe.Qwen2MoeTopKRouter, index=2))
+    clone = copy.deepcopy(lm)
+    with torch.no_grad():
+        expected = lm(INPUT_IDS, output_selected_experts=True).selected_experts
+        got = clone(INPUT_IDS, output_selected_experts=True).selected_experts
+    assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, expected))
+    unregister_output_recorder(lm, "selected_experts")
+    assert (len(lm._forward_pre_hooks), len(lm._forward_hooks)) == (0, 0)
+    with torch.no_grad():
+        assert "selected_experts" not in lm(INPUT_IDS, output_selected_experts=True)
+
+
+def test_head_class_registration_is_refused_with_the_fix_named():
+    with pytest.raises(ModelpatchTypeError, match=r"register on a model instance .* or on the class of the base model"):
+        register_output_recorder(Qwen2MoeForCausalLM, "selected_experts", modeling_qwen2_moe.Qwen2MoeTopKRouter)
+    with pytest.raises(TypeError, match="Qwen2MoePreTrainedModel does not capture outputs itself"):
+        register_output_recorder(
+            modeling_qwen2_moe.Qwen2MoePreTrainedModel, "selected_experts", modeling_qwen2_moe.Qwen2MoeTopKRouter
+        )

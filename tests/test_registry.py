@@ -8,8 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import __version__ as transformers_version
 
-from modelpatch import clear_patch_mapping, get_patch_mapping, register_patch_mapping, unregister_patch_mapping
+from modelpatch import (
+    Concatenate,
+    WeightConverter,
+    clear_patch_mapping,
+    get_checkpoint_conversion_mapping,
+    get_patch_mapping,
+    register_checkpoint_conversion_mapping,
+    register_patch_mapping,
+    unregister_checkpoint_conversion_mapping,
+    unregister_patch_mapping,
+)
 from modelpatch.patching.registry import build_patch_mapping
+from modelpatch.recipes import get_recipe
 
 
 class A(nn.Module):
@@ -192,3 +203,39 @@ def test_a_misspelled_class_name_is_named_with_the_closest_at_registration(caplo
     finally:
         set_strict_patching(False)
     assert get_patch_mapping() == before
+
+
+# -- clean-up in either order -----------------------------------------------------------------------------------------
+
+
+FusedQKVAttention = get_recipe("llama-fused-qkv").patch_mapping["LlamaAttention"]
+
+
+QKV = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])
+
+
+def test_unregister_after_clear_is_a_no_op_for_both_registries():
+    register_patch_mapping({"LlamaAttention": FusedQKVAttention})
+    register_checkpoint_conversion_mapping("llama", [QKV])
+    try:
+        clear_patch_mapping()  # clears user conversion rules too
+    finally:
+        unregister_checkpoint_conversion_mapping("llama")  # raised KeyError before
+        unregister_patch_mapping(["LlamaAttention"])
+    assert get_patch_mapping() == {}
+    assert get_checkpoint_conversion_mapping("llama") is None
+    # never registered: still an error, unless missing_ok
+    with pytest.raises(KeyError):
+        unregister_checkpoint_conversion_mapping("llama")
+    with pytest.raises(ValueError):
+        unregister_patch_mapping(["LlamaAttention"])
+    unregister_checkpoint_conversion_mapping("llama", missing_ok=True)
+    unregister_patch_mapping(["LlamaAttention"], missing_ok=True)
+
+
+def test_recipe_unregister_after_clear_patch_mapping():
+    recipe = get_recipe("llama-fused-qkv")
+    recipe.register()
+    clear_patch_mapping()
+    recipe.unregister()  # raised KeyError before
+    assert get_patch_mapping() == {}

@@ -1,11 +1,15 @@
 """Remote-code modules (trust_remote_code, ``transformers_modules.*``) are patched too."""
 
 import json
+import logging
+import os
+import sys
 
 import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModel
 
+from helpers import modelpatch_records
 from modelpatch import patch_report, register_patch_mapping
 
 CONFIGURATION = """
@@ -127,3 +131,52 @@ def test_cli_runs_remote_code_only_with_the_flag_and_never_prompts(tmp_path, cap
     assert main([*base, "--trust-remote-code", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["replaced"] == {"TinyRemoteBlock": {"TinyRemoteBlock -> SameBlock": 2}}
+
+
+# -- remote code executed again ---------------------------------------------------------------------------------------
+
+
+def _remote_checkpoint(path):
+    write_remote_repo(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    AutoModel.from_config(config, trust_remote_code=True).save_pretrained(path)
+
+
+def test_remote_code_loaded_again_with_force_download_is_patched(tmp_path, caplog):
+    """``force_download=True`` makes Transformers execute the remote module again as a new module object under the
+    same name (``sys.modules`` keeps its size); its new classes must be targeted on every such load."""
+    _remote_checkpoint(tmp_path)
+    register_patch_mapping({"TinyRemoteBlock": DoubledBlock})
+    first = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    models = [first]
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        for _ in range(2):
+            models.append(AutoModel.from_pretrained(tmp_path, trust_remote_code=True, force_download=True))
+    classes = [type(m) for m in models]
+    assert len(set(classes)) == 3 and len({c.__module__ for c in classes}) == 1  # new classes, same module name
+    for model in models:
+        assert [type(b) for b in model.blocks] == [DoubledBlock, DoubledBlock]
+        assert [r.path for r in patch_report(model).rows] == ["blocks.0", "blocks.1"]
+    assert modelpatch_records(caplog, logging.WARNING) == []
+
+
+def test_remote_code_module_executed_again_in_place_is_patched(tmp_path, caplog):
+    """A new download whose code changed: Transformers executes the cached module file again in the same module
+    object (``get_class_in_module`` sees a new hash)."""
+    from transformers.dynamic_module_utils import get_class_in_module
+    from transformers.utils import HF_MODULES_CACHE
+
+    _remote_checkpoint(tmp_path)
+    register_patch_mapping({"TinyRemoteBlock": DoubledBlock})
+    first = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    assert [type(b) for b in first.blocks] == [DoubledBlock, DoubledBlock]
+    module = sys.modules[type(first).__module__]
+    with open(module.__file__, "a") as handle:  # the "new download"
+        handle.write("\n# revised upstream\n")
+    relative = os.path.relpath(module.__file__, HF_MODULES_CACHE)
+    model_cls = get_class_in_module("TinyRemoteModel", relative)
+    assert sys.modules[type(first).__module__] is module and model_cls is not type(first)
+    with caplog.at_level(logging.WARNING, logger="modelpatch"):
+        again = model_cls.from_pretrained(tmp_path)
+    assert [type(b) for b in again.blocks] == [DoubledBlock, DoubledBlock]
+    assert modelpatch_records(caplog, logging.WARNING) == []

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from modelpatch.routing import (
     RoutingReplayError,
@@ -258,3 +259,75 @@ def test_compact_trace_32k_tokens_60_layers_top8_fits_16mb():
     assert trace.nbytes <= 16_000_000
     assert trace._blocks[0][0][0].ids.dtype == torch.uint8
     assert torch.equal(trace[59][0], ids)
+
+
+# -- drift, routers changed after first use, layers skipped -----------------------------------------------------------
+
+
+IDS = torch.tensor([[3, 5, 9, 17, 33, 4, 4, 4], [3, 8, 21, 40, 2, 7, 4, 4]])
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "olmoe"])
+def test_replay_after_large_router_drift_stays_finite(family):
+    # a drifted router can give the recorded experts probability 0: the family's p / p.sum() was 0/0 -> NaN
+    model = tiny_model(family, norm_topk_prob=True).train()
+    with torch.no_grad(), record_routing(model) as trace:
+        model(IDS)
+    perturb_routers(model, scale=50.0)
+    with replay_routing(model, trace):
+        loss = model(IDS, labels=IDS).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_routers_added_or_replaced_after_first_use_are_recorded_and_replayed():
+    from routing_models import ExpertsObserver
+
+    model = tiny_model("deepseek_v3", num_hidden_layers=3)  # layer 0 dense, layers 1-2 MoE
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), record_routing(model) as first:
+        model(ids)
+    assert first.layers == (1, 2)
+    model.model.layers[0].mlp = copy.deepcopy(model.model.layers[1].mlp)  # upcycled: layer 0 becomes MoE
+    model.model.layers[2].mlp = copy.deepcopy(model.model.layers[1].mlp)  # layer 2's block replaced
+    with torch.no_grad(), record_routing(model) as trace:
+        model(ids)
+    assert trace.layers == (0, 1, 2)  # the cached discovery of the first block missed layer 0 before
+    perturb_routers(model, seed=4)
+    with torch.no_grad(), ExpertsObserver(model) as seen, replay_routing(model, trace):
+        model(ids)
+    for layer in (0, 1, 2):
+        assert torch.equal(seen.indices(layer).sort(-1).values, trace[layer][0].sort(-1).values)
+    with pytest.raises(RoutingTraceError, match=r"trace MoE layers \[1, 2\] do not match .* \[0, 1, 2\]"):
+        with replay_routing(model, first):
+            pass
+
+
+def test_a_layer_that_took_no_routes_in_a_replay_block_is_named_at_exit():
+    model = tiny_model("deepseek_v3", num_hidden_layers=3)  # MoE layers 1 and 2
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), record_routing(model) as trace:
+        model(ids)
+    layer = model.model.layers[2]
+    forward = layer.forward
+
+    def skip(hidden_states, *args, **kwargs):  # layer dropping: layer 2 does nothing in this forward
+        return hidden_states
+
+    with pytest.raises(RoutingReplayError, match=r"layer 2: 0 of 1"):
+        with torch.no_grad(), replay_routing(model, trace):
+            layer.forward = skip
+            try:
+                model(ids)
+            finally:
+                layer.forward = forward
+    inside = copy.deepcopy(model.model.layers[1].mlp)
+    with pytest.raises(RoutingReplayError, match=r"layer 1: 0 of 1"):
+        with torch.no_grad(), replay_routing(model, trace):
+            original, model.model.layers[1].mlp = model.model.layers[1].mlp, inside  # a router the block does not drive
+            try:
+                model(ids)
+            finally:
+                model.model.layers[1].mlp = original

@@ -12,18 +12,29 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, LlamaModel
 from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 from helpers import (
     INPUT_IDS,
+    Inert,
     save_tiny,
     tiny_clip_vision_config,
     tiny_gpt_neo_config,
     tiny_gpt_neox_config,
     tiny_llama_config,
 )
-from modelpatch import allow_init_values, apply_patches, get_patch_mapping, register_patch_mapping
+from modelpatch import (
+    UnmatchedPatchKeyError,
+    allow_init_values,
+    apply_patches,
+    get_patch_mapping,
+    register_patch_mapping,
+    replacement_of,
+)
+from modelpatch.errors import ModelpatchRuntimeError
 from modelpatch.patching.interception import hooked_classes
 from modelpatch.patching.scopes import active_scopes
+from modelpatch.recipes import get_recipe
 
 ORIGINAL_ATTENTION = modeling_llama.LlamaAttention
 ORIGINAL_MLP = modeling_llama.LlamaMLP
@@ -388,3 +399,90 @@ def test_a_modeling_module_imported_while_another_module_leaves_is_catalogued():
     assert CATALOG.may_have_changed()
     CATALOG.refresh()
     assert module.ErnieSelfAttention in CATALOG.classes_named("ErnieSelfAttention")
+
+
+# -- PatchScope.start / stop, replacement_of, decorators --------------------------------------------------------------
+
+
+FusedQKVAttention = get_recipe("llama-fused-qkv").patch_mapping["LlamaAttention"]
+
+
+def test_scope_start_stop_and_replacement_of():
+    config = tiny_llama_config()
+    scope = apply_patches({"LlamaAttention": FusedQKVAttention})
+    scope.start()
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        scope.stop()
+    assert type(LlamaForCausalLM(config).model.layers[0].self_attn) is LlamaAttention
+    found = replacement_of(model.model.layers[0].self_attn)
+    assert (found.original, found.replacement, found.key) == (LlamaAttention, FusedQKVAttention, "LlamaAttention")
+    assert replacement_of(model.model.layers[0].mlp) is None
+    assert scope.fired == {"LlamaAttention": 2}
+    with pytest.raises(RuntimeError):
+        scope.stop()
+
+
+class Attention(modeling_llama.LlamaAttention):
+    pass
+
+
+def test_apply_patches_as_decorator():
+    @apply_patches({"LlamaAttention": Attention})
+    def build():
+        return LlamaModel(tiny_llama_config())
+
+    assert type(build().layers[0].self_attn) is Attention
+    assert type(build().layers[1].self_attn) is Attention  # a fresh scope per call
+    assert type(LlamaModel(tiny_llama_config()).layers[0].self_attn) is modeling_llama.LlamaAttention
+
+
+def test_apply_patches_decorates_async_functions_and_refuses_generators():
+    import asyncio
+
+    @apply_patches({"LlamaAttention": Attention})
+    async def build():
+        await asyncio.sleep(0)
+        return LlamaModel(tiny_llama_config())
+
+    assert type(asyncio.run(build()).layers[0].self_attn) is Attention  # the block spans the coroutine's body
+    assert type(LlamaModel(tiny_llama_config()).layers[0].self_attn) is modeling_llama.LlamaAttention
+    with pytest.raises(TypeError, match="generator function"):
+
+        @apply_patches({"LlamaAttention": Attention})
+        def layers():
+            yield LlamaModel(tiny_llama_config())
+
+
+class LlamaAttn(modeling_llama.LlamaAttention):
+    pass
+
+
+def test_start_and_stop_behave_like_a_with_block():
+    scope = apply_patches({"LlamaAttention": LlamaAttn})
+    assert scope.start() is scope
+    assert active_scopes() == (scope,)
+    inside = LlamaModel(tiny_llama_config())
+    scope.stop()
+    assert active_scopes() == () and scope.closed
+    assert [type(layer.self_attn) for layer in inside.layers] == [LlamaAttn, LlamaAttn]
+    assert scope.fired == {"LlamaAttention": 2}
+    assert type(LlamaModel(tiny_llama_config()).layers[0].self_attn) is modeling_llama.LlamaAttention
+    with pytest.raises(ModelpatchRuntimeError, match="not started .or already stopped"):
+        scope.stop()
+    with pytest.raises(RuntimeError, match="entered only once"):
+        scope.start()
+
+
+def test_stop_runs_the_strict_check_and_stop_before_start_raises():
+    never_started = apply_patches({"LlamaAttention": LlamaAttn})
+    with pytest.raises(ModelpatchRuntimeError):
+        never_started.stop()
+    scope = apply_patches({"LlamaAttention": LlamaAttn, "NoSuchClass": Inert}, strict=True).start()
+    LlamaModel(tiny_llama_config())
+    with pytest.raises(UnmatchedPatchKeyError, match=r"\['NoSuchClass'\]"):
+        scope.stop()
+    assert active_scopes() == ()
+    with pytest.raises(ModelpatchRuntimeError):
+        scope.stop()

@@ -1,4 +1,6 @@
-"""The founding document's examples, ported to modelpatch imports (only the import lines change)."""
+"""The seed examples (the full example and the routing recipe as a user writes them against Transformers' own API:
+``transformers.monkey_patching``, ``transformers.conversion_mapping``), ported to modelpatch imports: only the
+import lines change."""
 
 import torch
 import torch.nn as nn

@@ -5,7 +5,10 @@ ABSENT)`` and :meth:`UndoStack.undo` restores them in reverse order, deleting wh
 Used as a context manager it undoes on any exit (normal, exception, ``KeyboardInterrupt``). Attributes
 can be set through the object's own ``__setattr__`` (instances of ``nn.Module``: parameters, submodules)
 or written raw into its ``__dict__`` (``raw=True``: class dictionaries, instance attributes that must
-not go through ``nn.Module.__setattr__``), and dict items can be changed the same way.
+not go through ``nn.Module.__setattr__``), and dict items can be changed the same way. Two more kinds of
+entry fold in what would otherwise be a hand-written save/restore pair: :meth:`UndoStack.callback` (any
+clean-up call, as ``contextlib.ExitStack.callback``) and :meth:`UndoStack.wrap` (a wrapper installed on
+another library's function, taken off only while it is still the one installed).
 
 modelpatch uses it wherever it changes an object for a while and must put it back exactly: the
 ``__init__`` hooks of class interception, router instances during routing record/replay, and the
@@ -15,13 +18,16 @@ modelpatch uses it wherever it changes an object for a while and must put it bac
 from __future__ import annotations
 
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, TypeVar
+
+from .errors import ModelpatchTypeError
 
 __all__ = ["ABSENT", "UndoStack"]
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class _Absent:
@@ -115,14 +121,75 @@ class UndoStack:
         with self._lock:
             self._changes.append(("item", mapping, key, previous))
 
+    def callback(self, fn: _F, /, *args: Any, **kwargs: Any) -> _F:
+        """Call ``fn(*args, **kwargs)`` when the stack is undone, in its place among the other entries (the last
+        pushed runs first), as ``contextlib.ExitStack.callback`` does. Returns ``fn``."""
+        with self._lock:
+            self._changes.append(("call", fn, args, kwargs))
+        return fn
+
+    def enter_context(self, manager: Any) -> Any:
+        """Enter the context manager ``manager`` now and exit it at undo, in its place among the other entries (as
+        ``contextlib.ExitStack.enter_context``, except that its ``__exit__`` is always called with ``None`` s: the
+        undo runs after the ``with`` body, whatever ended it). Returns what ``__enter__`` returned."""
+        result = manager.__enter__()
+        self.callback(manager.__exit__, None, None, None)
+        return result
+
+    def wrap(
+        self,
+        owner: object,
+        name: str,
+        wrapper: object = None,
+        *,
+        factory: Callable[[Any], object] | None = None,
+        raw: bool = False,
+    ) -> Any:
+        """Install a wrapper at ``owner.name``; undo puts the original back only if the wrapper is still there.
+
+        Give the wrapper itself, or ``factory``: called with the original, it returns the wrapper (exactly one of
+        the two). Without ``raw`` the original is ``getattr(owner, name)`` (a bound method for an instance) and
+        undo restores the owner's own value as :meth:`setattr` does (an inherited attribute: the own one is
+        deleted). ``raw=True`` reads and writes ``vars(owner)`` (a class dictionary: a ``classmethod`` or plain
+        function object is replaced as it is stored, not as attribute access binds it; an inherited attribute is
+        not there to wrap).
+
+        "Still ours": another library may install its own wrapper on top after this one (typically a function that
+        calls what it found, i.e. ours). If at undo ``owner.name`` is no longer the object installed here, undo
+        leaves it as it is: restoring the original would drop the other wrapper, while leaving it keeps its chain
+        valid (it still reaches the original through ours). If the other party takes its wrapper off first, ours is
+        on top again and undo restores the original.
+
+        Returns:
+            The original (what ``owner.name`` held before), for the wrapper to call.
+
+        Raises:
+            ModelpatchTypeError: neither or both of ``wrapper`` and ``factory`` given.
+            AttributeError: ``owner`` has no attribute ``name`` (nothing to wrap); nothing is changed.
+        """
+        if (wrapper is None) == (factory is None):
+            raise ModelpatchTypeError(f"UndoStack.wrap({name!r}): give exactly one of wrapper= and factory=")
+        original = vars(owner).get(name, ABSENT) if raw else getattr(owner, name, ABSENT)
+        if original is ABSENT:
+            raise AttributeError(f"{_describe(owner)} has no attribute {name!r} to wrap")
+        own = original if raw else _own_value(owner, name)
+        installed = factory(original) if factory is not None else wrapper
+        if raw:
+            _raw_set(owner, name, installed)
+        else:
+            setattr(owner, name, installed)
+        with self._lock:
+            self._changes.append(("wrap", owner, name, (installed, own, raw)))
+        return original
+
     # -- undo ------------------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._changes)
 
     def undo(self) -> None:
-        """Restore every change in reverse order; the stack is empty afterwards.
+        """Restore every change and run every callback in reverse order; the stack is empty afterwards.
 
-        Every change is undone even if one of them raises; the first error is raised at the end.
+        Every entry is undone even if one of them raises; the first error is raised at the end.
         """
         with self._lock:
             changes, self._changes = self._changes, []
@@ -130,7 +197,7 @@ class UndoStack:
         for kind, target, name, previous in reversed(changes):
             try:
                 _restore(kind, target, name, previous)
-            except BaseException as exc:  # keep undoing the rest
+            except BaseException as exc:  # noqa: BLE001 - keep undoing the rest; the first error is raised below
                 error = error or exc
         if error is not None:
             raise error
@@ -171,8 +238,25 @@ def _raw_del(target: object, name: str) -> None:
         object.__delattr__(target, name)
 
 
-def _restore(kind: str, target: Any, name: Any, previous: object) -> None:
-    if kind == "item":
+def _describe(owner: object) -> str:
+    if isinstance(owner, type):
+        return f"class {owner.__qualname__}"
+    module_name = getattr(owner, "__name__", None)
+    if isinstance(module_name, str):
+        return f"{type(owner).__name__} {module_name!r}"
+    return f"{type(owner).__name__!r} object"
+
+
+def _restore(kind: str, target: Any, name: Any, previous: Any) -> None:
+    if kind == "call":
+        target(*name, **previous)
+    elif kind == "wrap":
+        installed, own, raw = previous
+        current = vars(target).get(name, ABSENT) if raw else _own_value(target, name)
+        if current is not installed:  # another wrapper on top (or already restored): leave it, see wrap()
+            return
+        _restore("raw" if raw else "attr", target, name, own)
+    elif kind == "item":
         if previous is ABSENT:
             target.pop(name, None)
         else:

@@ -117,7 +117,7 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
             out = vanilla(input_ids=ids, attention_mask=mask)
         has_logits = getattr(out, "logits", None) is not None
         expected = _output(out)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the unpatched model's own failure: the check is skipped, saying why
         reason = f"the unpatched model fails on a left-padded batch: {_error(exc)}"
         return PathCheck("padding", "skipped", reason), PathCheck("routing", "skipped", reason) if routing else None
     actual_routes, record_error = None, None
@@ -131,7 +131,7 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
                 actual = _output(patched(input_ids=ids, attention_mask=mask))
         else:
             actual = _output(patched(input_ids=ids, attention_mask=mask))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a patched model that raises on a padded batch fails the check, saying why
         failed = f"the patched model fails on a left-padded batch: {_error(exc)}"
         if not routing:
             return PathCheck("padding", "FAIL", failed), None
@@ -256,7 +256,7 @@ def _decode(vanilla, patched, ids, mask, new_tokens: int, pad_id: int, kind: str
         run.expected = vanilla.generate(
             input_ids=ids, attention_mask=mask, generation_config=config, **{cache_kwarg: run.want}
         )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the unpatched model's own failure: the check is skipped, saying why
         run.failed = PathCheck(
             name, "skipped", f"the unpatched model's generate fails with a {kind} cache: {_error(exc)}"
         )
@@ -265,7 +265,7 @@ def _decode(vanilla, patched, ids, mask, new_tokens: int, pad_id: int, kind: str
         run.actual = patched.generate(
             input_ids=ids, attention_mask=mask, generation_config=config, **{cache_kwarg: run.got}
         )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a patched generate that raises fails the check, saying why
         run.failed = PathCheck(name, "FAIL", f"the patched model's generate fails with a {kind} cache: {_error(exc)}")
     return run
 

@@ -2,7 +2,7 @@
 
 ``verify`` compares a patched load with an *unpatched* reference load, so nothing registered process-wide may be in
 force while the command runs: not what the caller registered before calling :func:`modelpatch.cli.main` in-process,
-and not what a patches file registers when it is imported (a file written like the founding document calls
+and not what a patches file registers when it is imported (a file that calls
 ``register_patch_mapping(...)`` / ``register_checkpoint_conversion_mapping(...)`` at import instead of defining
 ``PATCH_MAPPING``; left in the registry, those registrations patched the reference load too and ``verify`` compared
 the patched model with itself).
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import ExitStack
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -47,6 +46,7 @@ from ..patching.registry import (
     register_patch_mapping,
     unregister_patch_mapping,
 )
+from ..undo import UndoStack
 
 __all__ = [
     "Registrations",
@@ -195,16 +195,18 @@ class CommandSandbox:
         self._paths: list[str] = []
         self._modules_before: set[str] = set()
         self._forget: set[str] = set()
-        self._isolation = ExitStack()
+        self._undo = UndoStack()
 
     def __enter__(self) -> CommandSandbox:
         self._saved_transformers = TransformersRegistries.read()
         self._modules_before = set(sys.modules)
         # modelpatch's registries: per context, so other threads / tasks keep theirs
-        self._isolation.enter_context(isolated_patch_registry())
-        self._isolation.enter_context(isolated_conversion_registry())
-        self._isolation.callback(_ACTIVE.reset, _ACTIVE.set((*_ACTIVE.get(), self)))
-        # Transformers' registries are module globals read by every thread's loads (see the module docstring)
+        self._undo.enter_context(isolated_patch_registry())
+        self._undo.enter_context(isolated_conversion_registry())
+        self._undo.callback(_ACTIVE.reset, _ACTIVE.set((*_ACTIVE.get(), self)))
+        # Transformers' registries are module globals read by every thread's loads (see the module docstring); put
+        # back first at exit, before the command's own registries go
+        self._undo.callback(self._saved_transformers.restore)
         self._saved_transformers.without_user_entries().restore()
         return self
 
@@ -222,15 +224,16 @@ class CommandSandbox:
 
     def __exit__(self, *exc_info) -> None:
         try:
-            if self._saved_transformers is not None:
-                self._saved_transformers.restore()
+            self._undo.undo()  # Transformers' registries back, then what the command registered goes with its own
         finally:
-            self._isolation.close()  # what the command registered goes with its registries
             self._forget_imports()
 
     def _forget_imports(self) -> None:
         # sys.modules and sys.path are process-wide by nature (one import system per process): the patches file's
-        # modules are forgotten for every thread, so that the next command imports the file afresh
+        # modules are forgotten for every thread, so that the next command imports the file afresh.
+        # This is its own bookkeeping, not an UndoStack: what it takes back is not a change this class made but
+        # whatever the import system added while the command ran (modules found by comparing sys.modules before and
+        # after, and kept when they come from a folder that was on sys.path already).
         for name in self._forget:
             sys.modules.pop(name, None)
         for folder in self._paths:

@@ -8,8 +8,9 @@ A **patches file** (``--patches path/to/patches.py``) or **module** (``--patches
 ``CONVERSION_OVERWRITE``  optional, ``True`` (every name) or a collection of names whose built-in Transformers
                           rules are dropped (``register_checkpoint_conversion_mapping(..., overwrite=True)``)
 
-or, instead of all three, ``RECIPE = modelpatch.recipes.Recipe(...)``; or it registers its patches when imported,
-as the founding document does (``register_patch_mapping(...)``, ``register_checkpoint_conversion_mapping(...)``).
+or, instead of all three, ``RECIPE = modelpatch.recipes.Recipe(...)``; or it registers its patches when imported
+(``register_patch_mapping(...)``, ``register_checkpoint_conversion_mapping(...)`` at module level, the way scripts
+written for Transformers' own registries do it).
 What it registers is read back (the registries before and after the import are compared), taken as patches under
 test together with what it defines, and removed from the registries again: the command's reference load stays
 unpatched (see :mod:`.sandbox`). A file that defines nothing and registers nothing is an error.
@@ -34,6 +35,7 @@ from collections.abc import Mapping
 
 from ..conversion.rules import as_modelpatch_rule
 from ..recipes import Recipe, RuleSpec, UnknownRecipeError, UnsupportedExpertsError, get_recipe
+from ..undo import UndoStack
 from .errors import CliError
 from .sandbox import (
     Registrations,
@@ -57,12 +59,13 @@ def _load_module(source: str):
             calls and the import to write instead.
     """
     before, transformers_before = current_registrations(), TransformersRegistries.read()
-    try:
-        module = _import(source)
-    finally:
-        after, transformers_after = current_registrations(), TransformersRegistries.read()
-        set_registrations(before)
-        transformers_before.restore()
+    with UndoStack() as undo:  # both registries as they were, also when the import raises
+        undo.callback(transformers_before.restore)
+        undo.callback(set_registrations, before)
+        try:
+            module = _import(source)
+        finally:  # what the import registered, read before the undo removes it
+            after, transformers_after = current_registrations(), TransformersRegistries.read()
     foreign = transformers_after.changes_since(transformers_before)
     if foreign:
         raise CliError(
@@ -105,7 +108,7 @@ def _import(source: str):
         if exc.name and source.startswith(exc.name):
             raise CliError(f"patches module '{source}' not found (give a module name or a .py file)") from None
         raise CliError(f"patches module '{source}' raised ModuleNotFoundError: {exc}") from None
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any error in user code becomes one line
         raise CliError(f"patches module '{source}' raised {type(exc).__name__}: {exc}") from None
 
 

@@ -25,8 +25,8 @@ With ``--train`` (see :mod:`.train_check`) two more, after ``--steps`` steps of 
 fp32-noise bound of the unpatched one, and the steps moved the weights beyond it) and ``gradients`` (no trainable
 parameter left with ``grad=None`` where the unpatched model has a gradient).
 
-With no ``--model`` and no ``--recipe``/``--patches`` it runs the founding document's full example (recipe
-``qwen2_moe-full-example``) on the built-in tiny Qwen2-MoE checkpoint (see :mod:`.checkpoint`).
+With no ``--model`` and no ``--recipe``/``--patches`` it runs the full example (recipe ``qwen2_moe-full-example``:
+per-expert experts + fused QKV + a ``Concatenate`` rule) on the built-in tiny Qwen2-MoE checkpoint (see :mod:`.checkpoint`).
 
 The reference ("vanilla") load runs with nothing registered process-wide in force (see :mod:`.sandbox`). A folder
 already in the layout the recipe converts to (written by ``modelpatch convert``) is a one-line error, not four
@@ -253,7 +253,7 @@ def run_verify(
         steps.set_postfix_str("vanilla load")
         try:
             vanilla, vanilla_info, result.load_seconds["vanilla"] = _timed_load(cls, model_dir, torch_dtype, None)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any load error becomes one line naming the folder
             raise CliError(f"loading '{model_dir}' without patches failed: {type(exc).__name__}: {exc}") from None
         problem = converted_layout_error(
             model_dir, recipe, config, vanilla_info, source_args or f"--recipe {recipe.name}"
@@ -389,7 +389,7 @@ def _load_for_training(cls, path: str, recipe: Recipe | None, dtype: torch.dtype
     kwargs = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     try:
         return _timed_load(cls, path, dtype, recipe, **kwargs)[0]
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any load error becomes one line naming the dtype and the folder
         which = "unpatched" if recipe is None else "patched"
         name = str(dtype).removeprefix("torch.")
         raise CliError(f"{name} {which} load of '{path}' for --train failed: {type(exc).__name__}: {exc}") from None

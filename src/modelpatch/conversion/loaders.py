@@ -279,7 +279,7 @@ def analyse_state_dict(model, items: Iterable[tuple[str, Any]], own: Mapping | N
 def _shape_or_none(value):
     try:
         return tuple(shape_of(value))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a value without a shape (extra state)
         return None
 
 

@@ -24,6 +24,7 @@ from transformers.utils import logging
 
 from ..errors import ModelpatchTypeError
 from ..lazy_imports import pretrained_model_class
+from ..undo import UndoStack
 from .compose import compose_builtins, resolve_model_rules, rules_fitting_model
 from .errors import ConversionError
 from .plan import build_plan
@@ -329,17 +330,10 @@ def serving_quantized_state_dict(model, state_dict: dict, metadata: dict) -> Ite
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is None:
         raise QuantizedSaveError("<model>", "none", f"{type(model).__name__} is not quantized")
-    had = "get_state_dict_and_metadata" in vars(quantizer)
-    previous = vars(quantizer).get("get_state_dict_and_metadata")
 
     def serve(_model):
         return state_dict, dict(metadata)
 
-    quantizer.get_state_dict_and_metadata = serve
-    try:
+    with UndoStack() as undo:
+        undo.setattr(quantizer, "get_state_dict_and_metadata", serve)  # undo deletes it (the class's method again)
         yield
-    finally:
-        if had:
-            quantizer.get_state_dict_and_metadata = previous
-        else:
-            del quantizer.get_state_dict_and_metadata

@@ -80,7 +80,8 @@ TARGET_MODULE = "peft.utils.transformers_weight_conversion"
 """PEFT's module holding the Transformers-5 weight conversion of adapters (imported lazily by PEFT)."""
 
 _lock = threading.RLock()
-_originals: dict = {}
+_originals: dict = {}  # name -> PEFT's function our wrapper calls, while the wrapper may be called
+_wrapped = UndoStack()  # the wrappers on PEFT's conversion module
 _view = UndoStack()
 
 
@@ -145,15 +146,17 @@ def _wrap(module: ModuleType) -> None:
             current = getattr(module, name, None)
             if current is None or current is wrapper or (name in _originals and current is not _originals[name]):
                 continue
-            _originals[name] = current
-            setattr(module, name, wrapper)
+            _originals[name] = _wrapped.wrap(module, name, wrapper)
 
 
-def _unwrap(module: ModuleType) -> None:
+def _unwrap() -> None:
+    """Take our wrappers off where they are still the ones installed (see :meth:`UndoStack.wrap`); a wrapper that
+    another library wrapped in turn stays, with the original it calls."""
     with _lock:
-        for name, wrapper in _WRAPPERS.items():
-            if getattr(module, name, None) is wrapper and name in _originals:
-                setattr(module, name, _originals.pop(name))
+        _wrapped.undo()
+        for name in list(_originals):
+            if getattr(sys.modules.get(TARGET_MODULE), name, None) is _originals[name]:
+                del _originals[name]
 
 
 # -- the wrapper view --------------------------------------------------------------------------------------------
@@ -290,9 +293,7 @@ def uninstall() -> None:
     """Restore PEFT's functions (those still wrapped by us), remove the import hook and the wrapper view."""
     with _lock:
         _hook.disarm()
-        module = sys.modules.get(TARGET_MODULE)
-        if module is not None:
-            _unwrap(module)
+        _unwrap()
         _view.undo()
 
 

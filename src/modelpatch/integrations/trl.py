@@ -33,6 +33,7 @@ import torch
 
 from ..errors import ModelpatchValueError
 from ..routing import RoutingDriftMeter, RoutingTrace, record_routing, replay_routing
+from ..undo import UndoStack
 from ..versions import missing_dependency
 
 try:
@@ -139,22 +140,20 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         return result
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        try:
+        with UndoStack() as undo:
+            undo.callback(setattr, self, "_replay_samples", None)  # _generate sets the rollout's routes: cleared after
             output = super()._generate_and_score_completions(inputs)
             output[ROUTES_KEY] = self._replay_samples
-        finally:
-            self._replay_samples = None
         return output
 
     # -- training -----------------------------------------------------------------------------------------------
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-        self._replay_samples = inputs[ROUTES_KEY]
-        self._drift = RoutingDriftMeter()
-        try:
+        drift = RoutingDriftMeter()
+        with UndoStack() as undo:  # the batch's routes and drift meter, for this loss only
+            undo.setattr(self, "_replay_samples", inputs[ROUTES_KEY])
+            undo.setattr(self, "_drift", drift)
             loss = super()._compute_loss(model, inputs)
-            agreement = self._drift.result()
-        finally:
-            self._replay_samples, self._drift = None, None
+            agreement = drift.result()
         if agreement.tokens:
             metrics = self._metrics["train" if model.training else "eval"]
             metrics["routing/router_disagreement"].append(agreement.router_disagreement_rate)

@@ -1,6 +1,6 @@
 """Container/inner conflicts: one mapping replacing a wrapper class *and* a class the wrapper builds.
 
-The founding document's BERT warning: ``".*Attention"`` matches ``BertAttention`` (a container whose
+The classic case is BERT: ``".*Attention"`` matches ``BertAttention`` (a container whose
 ``__init__`` builds ``BertSelfAttention`` or ``BertCrossAttention``) and the inner classes too. The
 container's replacement never builds the inner classes, so the inner replacement silently never runs
 and the container loses submodules (``self``, ``output``) the checkpoint expects.

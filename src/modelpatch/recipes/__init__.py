@@ -5,8 +5,8 @@
 ...     model = AutoModelForCausalLM.from_pretrained(path)   # q/k/v fused, weights converted
 >>> model.save_pretrained(out)                                 # written in the original layout
 
-``list_recipes()`` names them all; ``recipe_a + recipe_b`` applies both (the founding document's full example is
-``get_recipe("qwen2_moe-full-example")``: fused QKV attention + per-expert linear experts + a ``Concatenate`` rule,
+``list_recipes()`` names them all; ``recipe_a + recipe_b`` applies both (the full example, every kind of change
+at once on one model, is ``get_recipe("qwen2_moe-full-example")``: fused QKV attention + per-expert linear experts + a ``Concatenate`` rule,
 built-in expert fusion dropped). :mod:`.base` defines :class:`Recipe` and :class:`RuleSpec`; the recipes:
 
 =========================  ===========================================================================
@@ -79,13 +79,13 @@ def _build() -> dict[str, Recipe]:
     recipes = [fused_qkv_recipe(f) for f in _ATTENTION_FAMILIES]
     recipes.append(BERT_FUSED_QKV)
     by_name = {r.name: r for r in recipes}
-    # the founding document's example (per-expert experts + fused QKV) reads both layouts Transformers writes for
+    # the full example (per-expert experts + fused QKV) reads both layouts Transformers writes for
     # qwen2_moe, as the linear-experts recipe does: the Hub's per-expert tensors and the fused experts tensors of
     # save_pretrained(..., save_original_format=False) (reading only the first left the experts at __init__ values)
     full = by_name["qwen2_moe-fused-qkv"] + linear_experts_recipe("qwen2_moe")
     by_name["qwen2_moe-full-example"] = Recipe(
         name="qwen2_moe-full-example",
-        description="founding document's full example: per-expert experts + fused QKV + Concatenate rule (qwen2_moe)",
+        description="full example: per-expert experts + fused QKV + Concatenate rule (qwen2_moe)",
         patch_mapping=full.patch_mapping,
         conversion=full.conversion,
         model_types=full.model_types,

@@ -3,8 +3,8 @@
 A recipe is applied either for one block (``with recipe.apply(): ...``, nothing left behind on exit, also on
 error), for the process (``recipe.register()`` / ``recipe.unregister()``), or to a model already built
 (``recipe.patch(model)``, revertible). Two recipes combine with ``+``
-(mappings merged, rules of the same ``model_type`` concatenated), e.g. the founding document's full example is
-``get_recipe("qwen2_moe-fused-qkv") + get_recipe("qwen2_moe-linear-experts")``.
+(mappings merged, rules of the same ``model_type`` concatenated), e.g. the full example (per-expert experts and
+fused QKV on qwen2_moe) is ``get_recipe("qwen2_moe-fused-qkv") + get_recipe("qwen2_moe-linear-experts")``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import ModelpatchTypeError, ModelpatchValueError
+from ..undo import UndoStack
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -146,15 +147,14 @@ class Recipe:
         from ..patching.registry import register_patch_mapping, unregister_patch_mapping
 
         register_patch_mapping(dict(self.patch_mapping))
-        done = []
+        registered = UndoStack()  # undone only if a later registration raises
+        registered.callback(unregister_patch_mapping, list(self.patch_mapping))
         try:
             for name, spec in self.conversion.items():
                 register_checkpoint_conversion_mapping(name, spec.rules(), overwrite=spec.overwrite)
-                done.append(name)
+                registered.callback(unregister_checkpoint_conversion_mapping, name)
         except BaseException:
-            for name in done:
-                unregister_checkpoint_conversion_mapping(name)
-            unregister_patch_mapping(list(self.patch_mapping))
+            registered.undo()
             raise
 
     def unregister(self) -> None:

@@ -2,7 +2,8 @@
 
 ``qkv.weight`` has shape ``(3 * hidden_size, hidden_size)`` (query rows, key rows, value rows) and ``qkv.bias``
 ``(3 * hidden_size,)``. Only ``BertSelfAttention`` is replaced (exact class name): the container ``BertAttention``
-and ``BertCrossAttention`` keep their classes, which avoids the founding document's ``.*Attention`` trap.
+and ``BertCrossAttention`` keep their classes: a pattern such as ``.*Attention`` would also replace the container,
+whose replacement never builds the inner classes (see :mod:`modelpatch.patching.conflicts`).
 
 Conversion rule (``bert``): ``attention.self.{query,key,value}`` → ``attention.self.qkv`` with
 ``Concatenate(dim=0)``; the reverse splits with the recorded sizes, so the saved checkpoint is the original.

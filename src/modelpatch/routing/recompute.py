@@ -96,18 +96,12 @@ class RecomputeFrame:
     def run(self, *args, **kwargs):
         recompute = self.ran
         self.ran = True
-        undo = UndoStack()  # routers driven for the length of this recomputation only
-        try:
+        with UndoStack() as undo:  # routers driven, and this frame active, for the length of this run only
             if recompute:
                 self.cursor.clear()
                 self._drive_idle_routers(undo)
-            token = _ACTIVE.set(_Active(self, recompute, _ACTIVE.get()))
-            try:
-                return self.function(*args, **kwargs)
-            finally:
-                _ACTIVE.reset(token)
-        finally:
-            undo.undo()
+            undo.callback(_ACTIVE.reset, _ACTIVE.set(_Active(self, recompute, _ACTIVE.get())))
+            return self.function(*args, **kwargs)
 
     def _drive_idle_routers(self, undo: UndoStack) -> None:
         """Routers of this frame that no block drives now (the block exited before the backward): give them,

@@ -819,7 +819,7 @@ def _refused_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
         )
     try:
         mode = str(getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", ""))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a config generate cannot classify: generate itself reports it
         mode = ""
     if mode and mode not in ("greedy_search", "sample"):
         return f"generation mode {mode!r}: only greedy decoding and sampling extend the sequences one step at a time"

@@ -1,0 +1,208 @@
+"""``modelpatch.undo.UndoStack``: every temporary change is undone, in reverse order, on every exit path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from modelpatch.undo import ABSENT, UndoStack
+
+
+def test_undo_restores_in_reverse_order_and_deletes_what_was_absent():
+    module = nn.Linear(2, 2)
+    weight, forward = module.weight, module.forward
+    table = {"a": 1}
+    undo = UndoStack()
+    undo.setattr(module, "forward", lambda x: x)  # inherited method: undo must delete, not copy the bound method
+    undo.setattr(module, "weight", nn.Parameter(torch.zeros(2, 2)))
+    undo.setattr(module, "weight", nn.Parameter(torch.ones(2, 2)))
+    undo.setitem(table, "a", 2)
+    undo.setitem(table, "b", 3)
+    undo.delitem(table, "a")
+    assert len(undo) == 6
+    undo.undo()
+    assert "forward" not in vars(module) and module.forward.__func__ is forward.__func__
+    assert module.weight is weight
+    assert table == {"a": 1}
+    assert len(undo) == 0
+
+
+def test_undo_raw_class_attributes_and_on_exception():
+    class Target:
+        def __init__(self):
+            self.x = 1
+
+    own_init = vars(Target)["__init__"]
+    with pytest.raises(KeyError):
+        with UndoStack() as undo:
+            undo.setattr(Target, "__init__", lambda self: None, raw=True)
+            undo.setattr(Target, "added", 5, raw=True)
+            raise KeyError("boom")
+    assert vars(Target)["__init__"] is own_init and "added" not in vars(Target)
+
+
+def test_undo_keeps_going_when_one_restore_fails_and_raises_the_first_error():
+    class Frozen:
+        locked = False
+
+        def __setattr__(self, name, value):
+            if Frozen.locked:
+                raise AttributeError("frozen")
+            object.__setattr__(self, name, value)
+
+        def __delattr__(self, name):
+            if Frozen.locked:
+                raise AttributeError("frozen")
+            object.__delattr__(self, name)
+
+    obj = Frozen()
+    table = {}
+    undo = UndoStack()
+    undo.setitem(table, "k", 1)
+    undo.setattr(obj, "y", 2)
+    Frozen.locked = True
+    with pytest.raises(AttributeError, match="frozen"):
+        undo.undo()
+    assert table == {}  # restored although the attribute restore raised first
+    assert repr(ABSENT) == "ABSENT"
+
+
+# -- callback ---------------------------------------------------------------------------------------------------
+
+
+def test_callbacks_run_in_reverse_order_among_the_other_changes():
+    calls: list[object] = []
+    table = {"a": 1}
+    undo = UndoStack()
+    append = calls.append
+    assert undo.callback(append, "first") is append  # returns the callable, as ExitStack.callback does
+    undo.setitem(table, "a", 2)
+    undo.callback(lambda *args, **kwargs: calls.append((args, kwargs, dict(table))), 1, 2, key="v")
+    undo.setitem(table, "b", 3)
+    assert len(undo) == 4
+    undo.undo()
+    # LIFO: "b" removed before the second callback runs, "a" restored before the first
+    assert calls == [((1, 2), {"key": "v"}, {"a": 2}), "first"]
+    assert table == {"a": 1} and len(undo) == 0
+    undo.undo()  # empty: nothing runs twice
+    assert len(calls) == 2
+
+
+def test_a_failing_callback_does_not_stop_the_undo_and_the_first_error_is_raised():
+    calls: list[str] = []
+    table = {"a": 1}
+
+    def fail(message):
+        calls.append(message)
+        raise RuntimeError(message)
+
+    undo = UndoStack()
+    undo.callback(calls.append, "bottom")
+    undo.callback(fail, "second to run")
+    undo.setitem(table, "a", 2)
+    undo.callback(fail, "first to run")
+    with pytest.raises(RuntimeError, match="first to run"):
+        undo.undo()
+    assert calls == ["first to run", "second to run", "bottom"]
+    assert table == {"a": 1}
+
+
+# -- wrap: installed, taken off only while still ours -----------------------------------------------------------
+
+
+class _Library:
+    """Stands for another library's namespace: a module-level function and a classmethod in a class dict."""
+
+    @staticmethod
+    def double(x):
+        return 2 * x
+
+    @classmethod
+    def build(cls, x):
+        return (cls.__name__, x)
+
+
+def test_wrap_calls_the_factory_with_the_original_and_undo_restores_it():
+    own_double, own_build = vars(_Library)["double"], vars(_Library)["build"]
+    undo = UndoStack()
+    original = undo.wrap(_Library, "double", factory=lambda original: lambda x: original(x) + 1)
+    assert original(5) == 10 and _Library.double(5) == 11
+
+    def build(cls, x):
+        return ("wrapped", own_build.__func__(cls, x))
+
+    assert undo.wrap(_Library, "build", classmethod(build), raw=True) is own_build  # the stored classmethod
+    assert _Library.build(3) == ("wrapped", ("_Library", 3))
+    undo.undo()
+    assert vars(_Library)["double"] is own_double and vars(_Library)["build"] is own_build
+    assert (_Library.double(5), _Library.build(3)) == (10, ("_Library", 3))
+
+
+def test_wrap_leaves_a_wrapper_installed_on_top_of_ours_and_its_chain_still_works():
+    own_double = vars(_Library)["double"]
+    undo = UndoStack()
+    ours_original = undo.wrap(_Library, "double", factory=lambda original: staticmethod(lambda x: original(x) + 1))
+    ours = vars(_Library)["double"]
+    theirs_original = _Library.double  # another library wraps what it finds: ours
+    _Library.double = staticmethod(lambda x: theirs_original(x) * 100)
+    try:
+        assert _Library.double(5) == 1100
+        undo.undo()  # not ours any more: left as it is, nothing clobbered
+        assert vars(_Library)["double"] is not ours and _Library.double(5) == 1100  # theirs -> ours -> original
+        assert ours_original(5) == 10
+    finally:
+        _Library.double = own_double
+    # the same with theirs taken off before our undo: ours is on top again, so undo restores the original
+    undo.wrap(_Library, "double", factory=lambda original: staticmethod(lambda x: original(x) + 1))
+    ours = vars(_Library)["double"]
+    _Library.double = staticmethod(lambda x: 0)
+    _Library.double = ours
+    undo.undo()
+    assert vars(_Library)["double"] is own_double
+
+
+def test_wrap_of_an_inherited_method_is_undone_by_deleting_the_own_attribute():
+    module = nn.Linear(2, 2)
+    undo = UndoStack()
+    original = undo.wrap(module, "forward", factory=lambda original: lambda x: original(x) * 0)
+    assert original.__self__ is module and "forward" in vars(module)
+    assert module(torch.ones(1, 2)).abs().sum() == 0
+    undo.undo()
+    assert "forward" not in vars(module) and module.forward.__func__ is nn.Linear.forward
+
+
+def test_wrap_refuses_bad_arguments_and_changes_nothing():
+    from modelpatch.errors import ModelpatchTypeError
+
+    undo = UndoStack()
+    with pytest.raises(ModelpatchTypeError, match="exactly one of wrapper= and factory="):
+        undo.wrap(_Library, "double")
+    with pytest.raises(ModelpatchTypeError, match="exactly one"):
+        undo.wrap(_Library, "double", lambda x: x, factory=lambda original: original)
+    with pytest.raises(AttributeError, match="class _Library has no attribute 'missing' to wrap"):
+        undo.wrap(_Library, "missing", lambda x: x)
+    with pytest.raises(AttributeError, match="'build'"):
+        undo.wrap(type("Sub", (_Library,), {}), "build", lambda x: x, raw=True)  # inherited: not in the class dict
+    assert len(undo) == 0 and "missing" not in vars(_Library)
+
+
+def test_enter_context_exits_the_manager_in_its_place_among_the_other_entries():
+    import contextlib
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def managed(label):
+        events.append(f"enter {label}")
+        try:
+            yield label.upper()
+        finally:
+            events.append(f"exit {label}")
+
+    undo = UndoStack()
+    assert undo.enter_context(managed("a")) == "A"
+    undo.callback(events.append, "callback")
+    undo.enter_context(managed("b"))
+    undo.undo()
+    assert events == ["enter a", "enter b", "exit b", "callback", "exit a"]
