@@ -24,8 +24,8 @@ from modelpatch import (
     register_checkpoint_conversion_mapping,
     register_patch_mapping,
 )
+from modelpatch.apply import transformers as integration
 from modelpatch.integrations import loaders as loaders_integration
-from modelpatch.integrations import transformers as integration
 from modelpatch.recipes import get_recipe
 
 FusedQKVAttention = get_recipe("llama-fused-qkv").patch_mapping["LlamaAttention"]

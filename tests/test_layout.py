@@ -28,9 +28,8 @@ ALLOWED = {
     "outputs": {"errors", "undo", "lazy_imports", "patching"},
     "conversion": {"errors", "undo", "lazy_imports", "patching"},
     "routing": {"errors", "undo"},
-    "blocks": {"errors", "undo", "patching", "conversion"},
-    "instances": {"errors", "undo", "patching", "conversion"},
-    "integrations": {
+    "integrations": {"errors", "versions", "undo", "lazy_imports", "patching", "outputs", "conversion", "routing"},
+    "apply": {
         "errors",
         "versions",
         "undo",
@@ -39,9 +38,9 @@ ALLOWED = {
         "outputs",
         "conversion",
         "routing",
-        "blocks",
+        "integrations",
     },
-    "recipes": {"errors", "undo", "patching", "conversion", "blocks", "instances"},
+    "recipes": {"errors", "undo", "patching", "conversion", "integrations", "apply"},
     "dev": {"errors", "versions"},
     "cli": {
         "errors",
@@ -52,10 +51,9 @@ ALLOWED = {
         "outputs",
         "conversion",
         "routing",
-        "blocks",
-        "instances",
-        "recipes",
         "integrations",
+        "apply",
+        "recipes",
         "__init__",
     },
     "__init__": None,  # the public API re-exports everything
@@ -153,7 +151,7 @@ def test_no_import_cycle_even_through_imports_inside_functions(graph):
 
 
 def test_every_subpackage_opens_with_a_docstring_that_maps_its_modules():
-    for package in ("patching", "conversion", "routing", "recipes", "cli", "integrations"):
+    for package in ("patching", "conversion", "routing", "apply", "recipes", "cli", "integrations"):
         init = SRC / package / "__init__.py"
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         modules = sorted(p.stem for p in (SRC / package).glob("*.py") if p.stem != "__init__")

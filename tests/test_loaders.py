@@ -38,10 +38,10 @@ from transformers.trainer_utils import load_sharded_checkpoint
 
 from helpers import tiny_llama_config, tiny_qwen2_moe_config
 from modelpatch import iter_original_state_dict
+from modelpatch.apply import transformers as integration
 from modelpatch.conversion import ConversionShapeError
 from modelpatch.conversion.errors import StateDictLayoutError
 from modelpatch.integrations import loaders as loaders_integration
-from modelpatch.integrations import transformers as integration
 from modelpatch.recipes import get_recipe
 
 

@@ -16,7 +16,9 @@ from typing import Any
 
 import transformers as _transformers
 
-from .blocks import apply_patches
+from .apply.blocks import apply_patches
+from .apply.model_patch import InstancePatchError, InstancePatchRow, ModelPatch, patch_model
+from .apply.transformers import install as _install
 from .conversion import (
     Chunk,
     Concatenate,
@@ -47,8 +49,6 @@ from .conversion import (
     unregister_checkpoint_conversion_mapping,
 )
 from .errors import ModelpatchError
-from .instances import InstancePatchError, InstancePatchRow, ModelPatch, patch_model
-from .integrations.transformers import install as _install
 from .outputs import OutputRecorder, patch_output_recorders, register_output_recorder, unregister_output_recorder
 from .patching.conflicts import Conflict
 from .patching.provenance import Replacement, replacement_of

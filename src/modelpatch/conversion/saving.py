@@ -7,7 +7,7 @@ picks the rules of both stages for the model and :func:`.streaming.iter_reverted
 
 A quantized model that carries conversion state takes :func:`quantized_original_layout` instead (the quantizer's
 saved components split by rows where that is exact, else :class:`~.quantized.QuantizedSaveError`), computed by the
-``save_pretrained`` wrapper of :mod:`modelpatch.integrations.transformers` before anything is written.
+``save_pretrained`` wrapper of :mod:`modelpatch.apply.transformers` before anything is written.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ inherits the name, so its own forward (the point of the patch) would be replaced
 original class's forward, silently.
 
 :func:`settle_kernels` runs after every ``set_use_kernels`` (the wrapper is installed by
-:func:`modelpatch.integrations.transformers.install`): on each module modelpatch replaced that a kernel just
+:func:`modelpatch.apply.transformers.install`): on each module modelpatch replaced that a kernel just
 replaced,
 
 * the **patch wins** when the replacement defines its own ``forward`` and no ``kernel_layer_name`` of its own: the
@@ -79,7 +79,7 @@ def settle_kernels(model: nn.Module) -> list[tuple[str, KernelDecision]]:
 
 def set_use_kernels_wrapper(original):
     """``PreTrainedModel.set_use_kernels`` followed by :func:`settle_kernels` (installed by
-    :func:`modelpatch.integrations.transformers.install`)."""
+    :func:`modelpatch.apply.transformers.install`)."""
 
     @functools.wraps(original)
     def set_use_kernels(self, *args, **kwargs):

@@ -26,7 +26,7 @@ Every wrapper calls the original unchanged for a model without conversion state,
 the model's layout. The Trainer's resume (``Trainer._load_from_checkpoint``) goes through ``load_state_dict``
 (one file) or ``load_sharded_checkpoint`` (as ``transformers.trainer`` imported it).
 
-**Installation.** :func:`install` (called by :func:`modelpatch.integrations.transformers.install`, on import of
+**Installation.** :func:`install` (called by :func:`modelpatch.apply.transformers.install`, on import of
 modelpatch) replaces each function in its own module and in the modules that re-export it (``accelerate``,
 ``accelerate.utils``, ``accelerate.big_modeling``, ``accelerate.utils.bnb``, ``transformers.trainer``; those
 imported later take the wrapper from the module they import it from). A module not imported yet is not imported

@@ -35,7 +35,7 @@ The third piece is a wrapper view (:mod:`modelpatch.conversion.wrappers`): PEFT'
 and auxiliary wrappers (``modules_to_save``: ``original_module``), so that ``save_pretrained`` of a patched base
 model that still holds LoRA layers writes the original base layout.
 
-**Installation.** :func:`install` (called by :func:`modelpatch.integrations.transformers.install`, i.e. on import of
+**Installation.** :func:`install` (called by :func:`modelpatch.apply.transformers.install`, i.e. on import of
 modelpatch) registers the view and, when ``peft.utils.transformers_weight_conversion`` is already imported, wraps its
 two names like :mod:`modelpatch.conversion.hooks` wraps Transformers' functions (the originals kept, a name someone
 wrapped again after us left alone). PEFT imports that module lazily, on the first adapter injection, so until then

@@ -19,7 +19,7 @@ their own optimizer formats); every other model goes through Transformers' metho
 Trainer's optimizer object has an instance attribute ``state_dict`` (save) or ``load_state_dict`` (load) in front of
 its own method, removed when the call returns.
 
-**Installation.** :func:`install` (called by :func:`modelpatch.integrations.transformers.install`, i.e. on import of
+**Installation.** :func:`install` (called by :func:`modelpatch.apply.transformers.install`, i.e. on import of
 modelpatch) wraps the two methods on ``transformers.Trainer`` when ``transformers.trainer`` is already imported,
 else right after it is imported (an import hook answering for that one module name only, as :mod:`.peft` does).
 :func:`uninstall` restores the methods and removes the hook. Importing modelpatch never imports the Trainer.

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from transformers.core_model_loading import WeightTransform
 
-    from ..instances import ModelPatch
+    from ..apply.model_patch import ModelPatch
     from ..patching.scopes import PatchScope
 
 __all__ = ["Recipe", "RuleSpec"]
@@ -106,7 +106,7 @@ class Recipe:
             UnmatchedPatchKeyError: ``strict=True`` and a key replaced no module in the block.
             ConversionError: ``strict=True`` and a conversion rule matched no key of a checkpoint loaded in the block.
         """
-        from ..blocks import apply_patches
+        from ..apply.blocks import apply_patches
 
         overwritten = [name for name, spec in self.conversion.items() if spec.overwrite]
         with apply_patches(
@@ -124,7 +124,7 @@ class Recipe:
         Returns the :class:`~modelpatch.ModelPatch` (``revert()``, ``report``; a context manager that reverts on
         exit). Raises what :func:`~modelpatch.patch_model` raises; the model is unchanged then.
         """
-        from ..instances import patch_model
+        from ..apply.model_patch import patch_model
 
         overwritten = [name for name, spec in self.conversion.items() if spec.overwrite]
         return patch_model(

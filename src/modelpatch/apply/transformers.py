@@ -44,6 +44,12 @@ from ..conversion.saving import (
 )
 from ..conversion.unloaded import restore_pending_initial_values
 from ..errors import ModelpatchRuntimeError
+from ..integrations import kernels as kernels_integration
+from ..integrations import loaders as loaders_integration
+from ..integrations import peft as peft_integration
+from ..integrations import tensor_parallel as tensor_parallel_integration
+from ..integrations import trainer as trainer_integration
+from ..integrations.tensor_parallel import adapt_tensor_parallel_plan, requested_tensor_parallelism
 from ..lazy_imports import PostImportHook
 from ..outputs import install_registry_extension, patch_output_recorders
 from ..patching.provenance import BuildRecord, build_record, set_build_record
@@ -51,12 +57,6 @@ from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..patching.upstream import fusion_conflicts_checked, in_fusion_discovery
 from ..undo import UndoStack
-from . import kernels as kernels_integration
-from . import loaders as loaders_integration
-from . import peft as peft_integration
-from . import tensor_parallel as tensor_parallel_integration
-from . import trainer as trainer_integration
-from .tensor_parallel import adapt_tensor_parallel_plan, requested_tensor_parallelism
 
 __all__ = ["install", "uninstall", "installed"]
 

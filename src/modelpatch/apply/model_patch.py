@@ -43,16 +43,16 @@ import torch
 import torch.nn as nn
 from transformers.utils import logging
 
-from .conversion.compose import ResolvedRules, resolve_model_rules
-from .conversion.errors import ConversionError, ConversionShapeError
-from .conversion.registry import rulesets_in_force, scoped_rulesets
-from .conversion.rules import rule_layout
-from .conversion.state import STATE_ATTR, ConversionState, get_state, set_state
-from .conversion.transfer import TransferRules, transfer_rules
-from .errors import ModelpatchError, ModelpatchRuntimeError, ModelpatchValueError
-from .patching.catalog import is_modeling_module_name
-from .patching.interception import defining_init, unhooked_init
-from .patching.provenance import (
+from ..conversion.compose import ResolvedRules, resolve_model_rules
+from ..conversion.errors import ConversionError, ConversionShapeError
+from ..conversion.registry import rulesets_in_force, scoped_rulesets
+from ..conversion.rules import rule_layout
+from ..conversion.state import STATE_ATTR, ConversionState, get_state, set_state
+from ..conversion.transfer import TransferRules, transfer_rules
+from ..errors import ModelpatchError, ModelpatchRuntimeError, ModelpatchValueError
+from ..patching.catalog import is_modeling_module_name
+from ..patching.interception import defining_init, unhooked_init
+from ..patching.provenance import (
     KernelDecision,
     Replacement,
     hub_kernel_forward,
@@ -60,9 +60,9 @@ from .patching.provenance import (
     set_kernel_decision,
     set_provenance,
 )
-from .patching.registry import PatchMapping, PatchRule, build_patch_mapping, registered_patch_mapping
-from .patching.scopes import UnmatchedPatchKeyError, _hint, _names_a_known_class, _resolve
-from .undo import ABSENT, UndoStack
+from ..patching.registry import PatchMapping, PatchRule, build_patch_mapping, registered_patch_mapping
+from ..patching.scopes import UnmatchedPatchKeyError, _hint, _names_a_known_class, _resolve
+from ..undo import ABSENT, UndoStack
 
 if TYPE_CHECKING:
     from transformers.core_model_loading import WeightTransform
@@ -401,7 +401,7 @@ def _quantizer_name(model: nn.Module) -> str | None:
     loaded quantized."""
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and getattr(quantizer, "quantization_config", None) is not None:
-        from .conversion.quantized import quantizer_label
+        from ..conversion.quantized import quantizer_label
 
         return quantizer_label(quantizer)
     config = getattr(getattr(model, "config", None), "quantization_config", None)

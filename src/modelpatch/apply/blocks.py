@@ -13,10 +13,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from .conversion.registry import rulesets_in_force, scoped_rulesets
-from .errors import ModelpatchValueError
-from .patching.registry import build_patch_mapping, registered_patch_mapping
-from .patching.scopes import PatchScope
+from ..conversion.registry import rulesets_in_force, scoped_rulesets
+from ..errors import ModelpatchValueError
+from ..patching.registry import build_patch_mapping, registered_patch_mapping
+from ..patching.scopes import PatchScope
 
 if TYPE_CHECKING:
     from transformers.core_model_loading import WeightTransform
