@@ -3,6 +3,8 @@ already built.
 
 ``blocks``         :func:`apply_patches`: a patch mapping and conversion rules in force for one ``with`` block
 ``model_patch``    :func:`patch_model` / :class:`ModelPatch`: swap modules of a model already built, revert, optimizers
+``swap``           the swap of one module by ``patch_model``: refusals, targets, constructor arguments, validation on
+                   ``meta``, the hand-over of tensors
 ``transformers``   every wrapper modelpatch installs on Transformers (``PreTrainedModel``'s build, ``post_init``, save
                    and kernel methods; ``transformers.modeling_utils``' load / ZeRO-3 load / revert functions) and the
                    installation of the optional adapters of :mod:`modelpatch.integrations`, all behind one

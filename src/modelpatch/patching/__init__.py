@@ -8,6 +8,7 @@ Modules, bottom to top (each imports only those above it in this list, and nothi
 ``upstream``      what Transformers itself replaces while it builds a model (the fusions of ``fusion_config``)
 ``interception``  the reference-counted ``__init__`` hook through which an original builds its replacement
 ``provenance``    what modelpatch remembers on the instances it builds (provenance, build record)
+``keys``          which classes a mapping replaces, and the hints for keys that replace nothing
 ``conflicts``     container/inner conflicts (a pattern replacing ``BertAttention`` and ``BertSelfAttention``)
 ``scopes``        :class:`PatchScope`: one activation of a mapping, per thread / asyncio task
 ``report``        :func:`patch_report`, read from the model itself

@@ -12,12 +12,11 @@ registry scope that ``from_pretrained``/``from_config`` open, innermost block fi
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -25,8 +24,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from transformers.utils import logging
 
 from ..errors import ModelpatchRuntimeError, ModelpatchTypeError
-from .catalog import CATALOG, known_class_names
+from .catalog import CATALOG
 from .interception import install_hook, uninstall_hook
+from .keys import Resolution, names_a_known_class, resolve_classes, unmatched_key_hint
 from .provenance import Replacement, build_record, provenance, set_provenance
 from .registry import PatchMapping, PatchRule, UnmatchedPatchKeyError
 from .upstream import in_fusion_discovery
@@ -45,8 +45,6 @@ _STATS_LOCK = threading.Lock()
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# ``{class: (winning rule, every key that matches it)}``, see :func:`_resolve`
-_Resolution = dict[type, tuple[PatchRule, tuple[str, ...]]]
 
 _ACTIVE: ContextVar[tuple[PatchScope, ...]] = ContextVar("modelpatch_active_scopes", default=())
 
@@ -89,7 +87,7 @@ def refresh_catalog(modules: tuple[str, ...] | None = None) -> None:
     with _LIVE_LOCK:
         new_classes = CATALOG.refresh()
         for scope in list(_LIVE):
-            scope._extend(_resolve(scope.mapping, new_classes))
+            scope._extend(resolve_classes(scope.mapping, new_classes))
 
 
 class PatchScope:
@@ -141,8 +139,8 @@ class PatchScope:
         self._hooked: list[type] = []
 
     # -- resolution -------------------------------------------------------------------------------
-    def _extend(self, resolved: _Resolution) -> None:
-        """Target the classes of ``resolved`` (see :func:`_resolve`) not targeted yet."""
+    def _extend(self, resolved: Resolution) -> None:
+        """Target the classes of ``resolved`` (see :func:`resolve_classes`) not targeted yet."""
         if self.closed:
             return
         for cls, (rule, keys) in resolved.items():
@@ -186,7 +184,7 @@ class PatchScope:
             return self._classified
         unbuilt = self._unbuilt_keys()
         rules = {r.key: r for r in self.mapping.rules}
-        known = [k for k in unbuilt if _names_a_known_class(rules[k])]
+        known = [k for k in unbuilt if names_a_known_class(rules[k])]
         classified = (tuple(k for k in unbuilt if k not in known), tuple(known))
         if self.closed:
             self._classified = classified
@@ -350,7 +348,7 @@ class PatchScope:
         built_names = self._built_class_names()
         nothing_applies = ""
         if not_applicable:
-            hints = "".join(_hint(key, built_names) for key in not_applicable)
+            hints = "".join(unmatched_key_hint(key, built_names) for key in not_applicable)
             if self.explicit and not self.matched:
                 # a block whose keys all belong elsewhere (a recipe for another family): the build is vanilla
                 nothing_applies = (
@@ -366,7 +364,7 @@ class PatchScope:
                 )
         messages = []
         if unmatched:
-            hints = "".join(_hint(key, built_names) for key in unmatched)
+            hints = "".join(unmatched_key_hint(key, built_names) for key in unmatched)
             messages.append(
                 f"modelpatch: patch key(s) {list(unmatched)} matched no class built during {self.label}, nor any "
                 f"module class of Transformers or of loaded remote code; check the class name (case-sensitive) or "
@@ -417,65 +415,18 @@ class PatchScope:
         logger.warning(message)
 
 
-def _names_a_known_class(rule: PatchRule) -> bool:
-    """Whether ``rule`` names (exact key) or matches (pattern) a class that exists: a catalogued class, or a
-    class of a Transformers modeling module not imported yet (read from its source, see
-    :func:`~modelpatch.patching.catalog.source_class_names`)."""
-    if rule.is_exact:
-        return bool(CATALOG.classes_named(rule.key)) or rule.key in known_class_names()
-    if any(rule.matches(name) for name in CATALOG.names()):
-        return True
-    return any(rule.matches(name) for name in known_class_names())
-
-
-def _hint(key: str, built: set[str]) -> str:
-    """A suggestion for an identifier key that replaced nothing, naming a class it would then match; ``""`` when
-    no suggestion would match a class.
-
-    Candidates are the classes built in the scope (``built``), or the catalogued classes when the scope built
-    no model (layers constructed directly). In order: the same name in another case; the pattern
-    ``'.*<key>'``, which :func:`re.search` matches against exactly the names containing ``key``; a close
-    spelling (:func:`difflib.get_close_matches`)."""
-    if not key.isidentifier():
-        return ""
-    names = sorted(built or CATALOG.names())
-    same_but_case = [name for name in names if name.lower() == key.lower() and name != key]
-    if same_but_case:
-        return f"; {key!r}: did you mean {same_but_case[0]!r}? (class names are case-sensitive)"
-    containing = [name for name in names if key in name and name != key]
-    if containing:
-        shown = ", ".join(containing[:3]) + (f" and {len(containing) - 3} more" if len(containing) > 3 else "")
-        where = "built here" if built else "known"
-        return (
-            f"; {key!r} is an exact class name: to match the classes {where} whose names contain it ({shown}), "
-            f"write '.*{key}'"
-        )
-    close = [name for name in difflib.get_close_matches(key, names, n=2, cutoff=0.8) if name != key]
-    return f"; {key!r}: did you mean {close[0]!r}?" if close else ""
-
-
-_RESOLUTION_CACHE: dict[tuple[tuple[str, type], ...], tuple[int, _Resolution, tuple[str, ...] | None]] = {}
+_RESOLUTION_CACHE: dict[tuple[tuple[str, type], ...], tuple[int, Resolution, tuple[str, ...] | None]] = {}
 _RESOLUTION_CACHE_SIZE = 256
 
 
-def _resolve(mapping: PatchMapping, classes: Iterable[type]) -> _Resolution:
-    """``{class: (winning rule, every key that matches it)}`` for the classes ``mapping`` replaces."""
-    found: _Resolution = {}
-    for cls in classes:
-        rule = mapping.resolve(cls.__name__)
-        if rule is not None and rule.replacement is not cls:
-            found[cls] = (rule, tuple(r.key for r in mapping.rules if r.matches(cls.__name__)))
-    return found
-
-
-def _resolve_catalog(mapping: PatchMapping) -> _Resolution:
-    """:func:`_resolve` over the whole catalogue, cached by the mapping's content and the catalogue version
+def _resolve_catalog(mapping: PatchMapping) -> Resolution:
+    """:func:`resolve_classes` over the whole catalogue, cached by the mapping's content and the catalogue version
     (a block re-entered with an equal mapping, e.g. in a loop, does not scan the catalogue again)."""
     return _cached_resolution(mapping)[0]
 
 
-def _cached_resolution(mapping: PatchMapping) -> tuple[_Resolution, tuple[str, ...] | None]:
-    """``(resolved, watched)``: :func:`_resolve` over the catalogue, and the modules whose replacement or
+def _cached_resolution(mapping: PatchMapping) -> tuple[Resolution, tuple[str, ...] | None]:
+    """``(resolved, watched)``: :func:`resolve_classes` over the catalogue, and the modules whose replacement or
     re-execution a scope entry with ``mapping`` must notice: those defining a catalogued class named by an exact
     key, or ``None`` (every catalogued module) when ``mapping`` has a pattern or an exact key naming no
     catalogued class (a module executed again may define new matching classes). Modules that run again
@@ -492,7 +443,7 @@ def _cached_resolution(mapping: PatchMapping) -> tuple[_Resolution, tuple[str, .
     else:
         classes = CATALOG.all_classes()
         watched = None
-    resolved = _resolve(mapping, classes)
+    resolved = resolve_classes(mapping, classes)
     if len(_RESOLUTION_CACHE) >= _RESOLUTION_CACHE_SIZE:
         _RESOLUTION_CACHE.clear()
     _RESOLUTION_CACHE[key] = (CATALOG.version, resolved, watched)
