@@ -25,7 +25,8 @@ from conversion_models import (
     randomize_,
 )
 from helpers import tiny_llama_config
-from modelpatch.conversion import apply_conversion_rules, hooks, load_converted_state_dict
+from modelpatch.apply import transformers as hooks
+from modelpatch.conversion import apply_conversion_rules, load_converted_state_dict
 from modelpatch.conversion.pages import release_pages
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are released on Linux only")

@@ -6,7 +6,7 @@ them out in the original layout one conversion group at a time, :func:`iter_orig
 an inference engine; optimizer state too, :func:`original_optimizer_state_dict`, so a run resumes across layouts), see
 what changed, keep output capture working on
 replacement classes, and record/replay MoE routing (:mod:`modelpatch.routing`). Importing modelpatch installs thin wrappers on
-``PreTrainedModel`` (see :mod:`modelpatch.integration`) so the registry applies to every
+``PreTrainedModel`` (see :mod:`modelpatch.apply.transformers`) so the registry applies to every
 ``from_pretrained``/``from_config`` build, and, once ``transformers.trainer`` is imported, on the two ``Trainer``
 methods that save and load ``optimizer.pt`` (:mod:`modelpatch.integrations.trainer`); nothing else in the process is
 changed.

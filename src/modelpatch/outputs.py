@@ -108,7 +108,7 @@ def install_registry_extension(undo: UndoStack) -> None:
 def _require_extension() -> None:
     if type(_capturing._CAN_RECORD_REGISTRY) is not _InstanceAwareRegistry:
         raise ModelpatchRuntimeError(
-            "modelpatch's Transformers integration is uninstalled; call modelpatch.integrations.transformers.install()"
+            "modelpatch's Transformers integration is uninstalled; call modelpatch.apply.transformers.install()"
         )
 
 

@@ -1,31 +1,58 @@
-"""Automatic application: the registry is in force while Transformers builds a model.
+"""Every wrapper modelpatch installs on Transformers, behind one :class:`~modelpatch.undo.UndoStack`.
 
 Installed once when :mod:`modelpatch` is imported (idempotent) or, while ``transformers.modeling_utils`` is not
-imported yet, right after it is (a :class:`~modelpatch.lazy_imports.PostImportHook`: importing it costs seconds and imports
-torchao, bitsandbytes, ... when installed, which importing modelpatch must not do; no model can be built before
-it is imported), these thin wrappers are the only process-wide change modelpatch makes, and they are inert while the registry is empty and no block is
-open:
+imported yet, right after it is (a :class:`~modelpatch.lazy_imports.PostImportHook`: importing it costs seconds and
+imports torchao, bitsandbytes, ... when installed, which importing modelpatch must not do; no model can be built before
+it is imported), these thin wrappers are the only process-wide change modelpatch makes, and they are inert while the
+registry is empty and no block is open. :func:`uninstall` undoes them exactly (a wrapper someone else wrapped again
+after ours stays, so that their chain still reaches the original).
 
-* ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config`` (which every ``Auto*`` class,
-  every concrete class and every composite model building sub-models from sub-configs goes through)
-  open a registry :class:`~modelpatch.scope.PatchScope` around the whole build and load;
-* ``PreTrainedModel.__init__`` (which runs before a model builds its children) picks up modeling
-  modules imported since the last look, so a module first imported inside a block is patched too, and
-  remembers which scopes built the model, for :func:`~modelpatch.patch_report`;
-* ``PreTrainedModel.post_init`` fixes the output recorders of models built inside a block, binds the conversion
-  rules in effect that fit them (so they save their original layout after the block) and swaps the tensor-parallel
-  plan's entries of replaced modules for the replacements' own (:mod:`.tensor_parallel`; ``from_pretrained(...,
+On ``PreTrainedModel``:
+
+* ``from_pretrained`` and ``_from_config`` (which every ``Auto*`` class, every concrete class and every composite model
+  building sub-models from sub-configs goes through) open a registry :class:`~modelpatch.patching.scopes.PatchScope`
+  around the whole build and load;
+* ``__init__`` (which runs before a model builds its children) picks up modeling modules imported since the last look,
+  so a module first imported inside a block is patched too, and remembers which scopes built the model, for
+  :func:`~modelpatch.patch_report`;
+* ``post_init`` fixes the output recorders of models built inside a block, binds the conversion rules in effect that
+  fit them (so they save their original layout after the block) and swaps the tensor-parallel plan's entries of
+  replaced modules for the replacements' own (:mod:`modelpatch.integrations.tensor_parallel`; ``from_pretrained(...,
   tp_plan=...)`` that cannot be exact is refused there);
-* ``PreTrainedModel.save_pretrained`` of a quantized model that carries conversion state (and only of such a
-  model) computes the original layout first (:func:`~modelpatch.conversion.saving.quantized_original_layout`),
-  so that a layout that cannot be written exactly is refused before anything is written, then lets Transformers
-  write it as is;
-* ``PreTrainedModel.set_use_kernels`` (hub kernels, ``kernels.kernelize``) is followed by
+* ``save_pretrained`` of a quantized model that carries conversion state (and only of such a model) computes the
+  original layout first (:func:`~modelpatch.conversion.saving.quantized_original_layout`), so that a layout that
+  cannot be written exactly is refused before anything is written, then lets Transformers write it as is;
+* ``set_use_kernels`` (hub kernels, ``kernels.kernelize``) is followed by
   :func:`~modelpatch.integrations.kernels.settle_kernels`: a hub kernel never silently replaces a patched forward.
-"""
+
+Three functions of ``transformers.modeling_utils``:
+
+* ``convert_and_load_state_dict_in_model`` (called by ``from_pretrained`` with the lazily opened checkpoint): when
+  user rules resolve for the model, the checkpoint dict is converted lazily by :mod:`modelpatch.conversion.loading`
+  and the remaining built-in rules are passed on to the original function, which still does all reading, dtype casting
+  and placement;
+* ``_load_state_dict_into_zero3_model`` (called by ``from_pretrained`` instead of the first when DeepSpeed ZeRO-3 is
+  on, see :mod:`modelpatch.conversion.zero3`): the checkpoint converted with the user rules before Transformers'
+  ZeRO-3 loader reads it;
+* ``revert_weight_conversion`` (called by ``save_pretrained`` unless ``save_original_format=False``): a model that
+  carries modelpatch rules, or for which rules are in effect, is written back in the original layout by
+  :mod:`modelpatch.conversion.saving`, the path :func:`~modelpatch.iter_original_state_dict` takes too: Transformers'
+  own reverse run group by group exactly as the original runs it (:mod:`modelpatch.conversion.streaming`), then the
+  reverse of the user rules. Any other model goes through the original function, untouched.
+
+With no user rule in effect and a model that was not converted, the load wrapper calls the original with the same
+arguments (except for a model modelpatch built that loads PEFT adapters through ``model.load_adapter``: the adapter
+rules whose targets the model lacks are dropped, see :func:`~modelpatch.conversion.compose.transforms_in_force`), then
+only checks that the parameters of replacement modules came from the checkpoint (:mod:`modelpatch.conversion.unloaded`).
+A quantized load inside a patch scope or with user rules that leaves fused 3-D experts parameters in full precision
+warns, naming them (:func:`~modelpatch.conversion.quantized.warn_fused_experts_left`).
+
+:func:`install` also installs the adapters of :mod:`modelpatch.integrations` (PEFT, other libraries' checkpoint
+loaders, the Trainer's optimizer checkpoint), each when the module it wraps is imported."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -35,14 +62,20 @@ from types import ModuleType
 
 import torch.nn as nn
 
-from ..conversion import hooks as conversion_hooks
+from ..conversion import zero3
+from ..conversion.compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
+from ..conversion.loading import convert_and_load
+from ..conversion.quantized import check_prequantized_layers, quantizer_label, warn_fused_experts_left
+from ..conversion.registry import set_hooks_installed
 from ..conversion.saving import (
     bind_conversion_rules,
     needs_quantized_original_layout,
     quantized_original_layout,
+    revert_to_original_layout,
     serving_quantized_state_dict,
 )
-from ..conversion.unloaded import restore_pending_initial_values
+from ..conversion.state import get_state, set_state
+from ..conversion.unloaded import check_replacements_loaded, restore_pending_initial_values
 from ..errors import ModelpatchRuntimeError
 from ..integrations import kernels as kernels_integration
 from ..integrations import loaders as loaders_integration
@@ -161,71 +194,161 @@ def _save_wrapper(original):
     return save_pretrained
 
 
+# -- transformers.modeling_utils: checkpoint load (also under ZeRO-3) and save in the original layout --------------
+def _load_wrapper(original):
+    def _load(model, state_dict, load_config, disk_offload_index=None):
+        if getattr(model, "_hf_peft_config_loaded", False) and built_by_modelpatch(model):
+            # `model.load_adapter` (Transformers' PEFT integration, also `from_pretrained(adapter_dir)`) on a model
+            # modelpatch built: the adapter is in the model's own layout, so user rules (written for base checkpoints)
+            # do not apply, and of the adapter rules PEFT built from Transformers' table only those whose targets the
+            # model has are kept (the built-in expert fusion would fuse per-expert LoRA weights into absent keys)
+            mapping = transforms_in_force(load_config.weight_mapping or [], model.state_dict())
+            # (the base weights were loaded before: the keys this load reports missing are not the adapter's to fill)
+            return original(
+                model, state_dict, dataclasses.replace(load_config, weight_mapping=mapping), disk_offload_index
+            )
+        resolved = resolve_model_rules(model)
+        if resolved is None:
+            result = original(model, state_dict, load_config, disk_offload_index)
+        else:
+            result = convert_and_load(model, state_dict, load_config, disk_offload_index, resolved, original)
+        check_replacements_loaded(model, result[0])
+        quantizer = load_config.hf_quantizer
+        if quantizer is not None and not quantizer.pre_quantized and (resolved is not None or active_scopes()):
+            warn_fused_experts_left(model, quantizer_label(quantizer))  # a recipe was meant to make them quantizable
+        if quantizer is not None and quantizer.pre_quantized and (resolved is not None or active_scopes()):
+            check_prequantized_layers(model, quantizer_label(quantizer))
+        return result
+
+    return _load
+
+
+def _load_zero3_wrapper(original):
+    def _load_zero3(model, state_dict, load_config=None):
+        """``_load_state_dict_into_zero3_model`` (``from_pretrained`` with DeepSpeed ZeRO-3 on, see :mod:`.zero3`): the
+        checkpoint converted with the model's user rules first, then the same check of replacement modules as
+        :func:`_load_wrapper`."""
+        if getattr(model, "_hf_peft_config_loaded", False) and built_by_modelpatch(model):
+            return original(model, state_dict, load_config)  # an adapter in the model's own layout (see _load)
+        resolved = resolve_model_rules(model)
+        state = None
+        if resolved is not None:
+            state_dict, load_config, state = zero3.convert_checkpoint(model, state_dict, load_config, resolved)
+        elif load_config is not None and load_config.weight_mapping and built_by_modelpatch(model):
+            # built-in converters whose target layout a replacement removed (see zero3.convert_checkpoint)
+            mapping = transforms_in_force(load_config.weight_mapping, model.state_dict(keep_vars=True))
+            load_config = dataclasses.replace(load_config, weight_mapping=mapping)
+        model_state = zero3.zero3_state_shapes(model)
+        mapping = list(getattr(load_config, "weight_mapping", None) or []) if load_config is not None else []
+        unexpected = zero3.unread_keys(model, list(state_dict), mapping, model_state)
+        error_msgs, missing_keys = original(model, state_dict, load_config)
+        if state is not None:
+            set_state(model, state)
+        check_replacements_loaded(model, zero3.ZeroLoadInfo(set(missing_keys), unexpected))
+        return error_msgs, missing_keys
+
+    return _load_zero3
+
+
+def _revert_wrapper(original):
+    def _revert(model, state_dict):
+        if get_state(model) is None and resolve_model_rules(model) is None:
+            # no rule of modelpatch's applies: Transformers' own function, as if modelpatch were not installed
+            return original(model, state_dict)
+        return revert_to_original_layout(model, state_dict)
+
+    return _revert
+
+
+# name in ``transformers.modeling_utils`` -> factory of its wrapper (called with the original function)
+_FUNCTION_WRAPPERS = {
+    "convert_and_load_state_dict_in_model": _load_wrapper,
+    "revert_weight_conversion": _revert_wrapper,
+    "_load_state_dict_into_zero3_model": _load_zero3_wrapper,
+}
+
+
 TARGET_MODULE = "transformers.modeling_utils"
 
-_installed = UndoStack()  # the wrappers on PreTrainedModel
-_registry = UndoStack()  # the output-recorder registry extension
+_installed = UndoStack()  # everything install() and the import hook changed, undone by uninstall()
 _install_lock = threading.RLock()  # install() may be re-entered (an integration that installs another)
+_state = {"installed": False, "wrapped": False}  # install() in effect; transformers.modeling_utils wrapped
 
 
 def _wrap(module: ModuleType) -> None:
-    """Wrap the methods of ``module.PreTrainedModel`` (idempotent)."""
+    """Wrap the methods of ``module.PreTrainedModel`` and the functions of ``module`` named in
+    ``_FUNCTION_WRAPPERS`` (idempotent). A function not in this Transformers release (the ZeRO-3 loader is not in
+    every 5.x) is skipped."""
     with _install_lock:
-        if len(_installed):
+        if _state["wrapped"]:
             return
         pretrained = module.PreTrainedModel
         for name in ("from_pretrained", "_from_config"):
-            original = vars(pretrained)[name].__func__
-            _installed.setattr(pretrained, name, _build_wrapper(name, original), raw=True)
-        _installed.setattr(pretrained, "__init__", _init_wrapper(vars(pretrained)["__init__"]), raw=True)
-        _installed.setattr(pretrained, "post_init", _post_init_wrapper(vars(pretrained)["post_init"]), raw=True)
-        _installed.setattr(pretrained, "save_pretrained", _save_wrapper(vars(pretrained)["save_pretrained"]), raw=True)
+            _installed.wrap(
+                pretrained, name, factory=functools.partial(_classmethod_wrapper, _build_wrapper, name), raw=True
+            )
+        _installed.wrap(pretrained, "__init__", factory=_init_wrapper, raw=True)
+        _installed.wrap(pretrained, "post_init", factory=_post_init_wrapper, raw=True)
+        _installed.wrap(pretrained, "save_pretrained", factory=_save_wrapper, raw=True)
         if "set_use_kernels" in vars(pretrained):  # hub kernels never silently replace a patched forward: .kernels
-            wrapper = kernels_integration.set_use_kernels_wrapper(vars(pretrained)["set_use_kernels"])
-            _installed.setattr(pretrained, "set_use_kernels", wrapper, raw=True)
+            _installed.wrap(
+                pretrained, "set_use_kernels", factory=kernels_integration.set_use_kernels_wrapper, raw=True
+            )
+        for name, factory in _FUNCTION_WRAPPERS.items():
+            if getattr(module, name, None) is not None:
+                _installed.wrap(module, name, factory=factory)
+        _state["wrapped"] = True
+        _installed.callback(_state.__setitem__, "wrapped", False)
+
+
+def _classmethod_wrapper(make, name: str, original: classmethod):
+    """``make(name, function)`` for the function of the ``classmethod`` object ``original``."""
+    return make(name, original.__func__)
 
 
 _hook = PostImportHook(TARGET_MODULE, _wrap)
 
 
 def install() -> None:
-    """Install the wrappers on ``PreTrainedModel`` (now, or right after ``transformers.modeling_utils`` is
-    imported), the output-recorder registry extension, the conversion hooks, the PEFT integration (:mod:`.peft`),
-    the checkpoint loaders of other libraries (:mod:`.loaders`) and the Trainer's optimizer checkpoint
-    (:mod:`.trainer`) (idempotent; :mod:`modelpatch` calls it on import). Imports none of the libraries' modules
-    it wraps: each is wrapped when it is imported."""
+    """Install the wrappers on ``PreTrainedModel`` and ``transformers.modeling_utils``' load / save functions (now,
+    or right after ``transformers.modeling_utils`` is imported), the output-recorder registry extension, the PEFT
+    integration (:mod:`modelpatch.integrations.peft`), the checkpoint loaders of other libraries
+    (:mod:`modelpatch.integrations.loaders`) and the Trainer's optimizer checkpoint
+    (:mod:`modelpatch.integrations.trainer`) (idempotent; :mod:`modelpatch` calls it on import). Imports none of the
+    libraries' modules it wraps: each is wrapped when it is imported."""
     with _install_lock:
-        conversion_hooks.install()
+        if not _state["installed"]:
+            _state["installed"] = True
+            _installed.callback(_state.__setitem__, "installed", False)
+            set_hooks_installed(True)
+            _installed.callback(set_hooks_installed, False)
+            for adapter in (peft_integration, loaders_integration, trainer_integration, tensor_parallel_integration):
+                _installed.callback(adapter.uninstall)
+            _installed.callback(_hook.disarm)
         peft_integration.install()
         loaders_integration.install()
         trainer_integration.install()
-        if not len(_registry):
-            install_registry_extension(_registry)
+        install_registry_extension(_installed)
         _hook.now_or_on_import()
 
 
 def uninstall() -> None:
-    """Remove everything :func:`install` put in place, exactly (``PreTrainedModel``'s class dictionary and the
-    recorder registry's class are as before import), the import hooks, the conversion hooks, the PEFT and Trainer
-    integrations and the loaders. Models built while installed keep what they recorded; a later :func:`install`
-    puts everything back."""
+    """Remove everything :func:`install` put in place, exactly (``PreTrainedModel``'s class dictionary,
+    ``transformers.modeling_utils``' functions and the recorder registry's class are as before import), the import
+    hooks, the PEFT and Trainer integrations and the loaders. A wrapper that someone else wrapped again after ours
+    stays in place (their wrapper still calls it). Models built while installed keep what they recorded; a later
+    :func:`install` puts everything back."""
     with _install_lock:
         _hook.disarm()
         _installed.undo()
-        _registry.undo()
-        conversion_hooks.uninstall()
-        peft_integration.uninstall()
-        loaders_integration.uninstall()
-        trainer_integration.uninstall()
-        tensor_parallel_integration.uninstall()
 
 
 def installed() -> bool:
     """Whether :func:`install` is in effect (the wrappers in place, or the hook waiting for
     ``transformers.modeling_utils``)."""
     with _install_lock:
-        if not len(_registry):
+        if not _state["installed"]:
             return False
         if TARGET_MODULE not in sys.modules:
             return _hook.armed
-        return len(_installed) > 0
+        return _state["wrapped"]

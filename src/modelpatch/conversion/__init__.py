@@ -33,7 +33,6 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``optimizer`` optimizer state dicts in the original layout (:func:`original_optimizer_state_dict`) and back
               (:func:`load_original_optimizer_state_dict`): per-element state through the weights' rules
 ``transfer``  one module's tensors of a built model between layouts (what :func:`~modelpatch.patch_model` runs)
-``hooks``     the only wrappers of Transformers functions (installed by :mod:`modelpatch.integrations`)
 ``zero3``     DeepSpeed ZeRO-3 loads: the checkpoint converted before Transformers' ZeRO-3 loader reads it, shapes
               of partitioned parameters (``ds_shape``), and the refusals for ungathered partitions
 """

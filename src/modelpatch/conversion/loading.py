@@ -174,7 +174,7 @@ def load_dtypes(dry: dict, model_state: dict, prefix: str, load_config) -> dict:
 
 
 def convert_and_load(model, state_dict, load_config, disk_offload_index, resolved: ResolvedRules, original):
-    """``convert_and_load_state_dict_in_model`` with user rules (see :mod:`.hooks`): ``state_dict`` holds the lazily
+    """``convert_and_load_state_dict_in_model`` with user rules (see :mod:`modelpatch.apply.transformers`): ``state_dict`` holds the lazily
     opened checkpoint (safetensors slices or tensors); converted keys are replaced by :class:`LazyConverted`
     placeholders and ``original`` does the loading, with the built-in rules the user rules do not replace.
 

@@ -181,11 +181,11 @@ def register_checkpoint_conversion_mapping(
         cleared.discard(model_type_or_class_name)
 
 
-_hooks_installed = False  # set by :mod:`.hooks`, which wraps Transformers' load/save functions
+_hooks_installed = False  # set by :mod:`modelpatch.apply.transformers`, which wraps Transformers' load/save functions
 
 
 def set_hooks_installed(installed: bool) -> None:
-    """Called by :func:`modelpatch.conversion.hooks.install` / ``uninstall`` (this module does not import them)."""
+    """Called by :func:`modelpatch.apply.transformers.install` / ``uninstall`` (this module does not import them)."""
     global _hooks_installed
     _hooks_installed = installed
 
@@ -198,8 +198,8 @@ def require_hooks() -> None:
     """
     if not _hooks_installed:
         raise ModelpatchRuntimeError(
-            "modelpatch's conversion hooks are not installed (modelpatch.integrations.transformers.uninstall() was "
-            "called): conversion rules would be ignored; call modelpatch.integrations.transformers.install() first"
+            "modelpatch's conversion hooks are not installed (modelpatch.apply.transformers.uninstall() was "
+            "called): conversion rules would be ignored; call modelpatch.apply.transformers.install() first"
         )
 
 

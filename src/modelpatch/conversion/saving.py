@@ -1,6 +1,6 @@
 """Saving in the original layout: reverse the built-in rules (Transformers), then the user rules (modelpatch).
 
-``save_pretrained`` (through the wrapper of ``revert_weight_conversion`` in :mod:`.hooks`) and
+``save_pretrained`` (through the wrapper of ``revert_weight_conversion`` in :mod:`modelpatch.apply.transformers`) and
 :func:`iter_original_state_dict` (weight sync to an inference engine) take the same path: :func:`original_layout`
 picks the rules of both stages for the model and :func:`.streaming.iter_reverted` converts group by group;
 ``save_pretrained`` collects every group in one dict, :func:`iter_original_state_dict` hands them out one by one.
@@ -98,7 +98,7 @@ def original_layout(model, state_dict: dict, *, state: ConversionState | None = 
 
 
 def revert_to_original_layout(model, state_dict: dict) -> dict:
-    """Wrapper body of ``revert_weight_conversion`` (see :mod:`.hooks`): every group of :func:`original_layout`.
+    """Wrapper body of ``revert_weight_conversion`` (see :mod:`modelpatch.apply.transformers`): every group of :func:`original_layout`.
 
     Raises:
         ConversionError: see :func:`original_layout`; ``state_dict`` holds ZeRO-3 partitions

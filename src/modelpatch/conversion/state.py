@@ -42,7 +42,7 @@ def add_state_listener(listener: Callable[[Any, ConversionState | None], None]) 
 
 
 def set_state(model, state: ConversionState | None) -> None:
-    """Attach ``state`` to ``model`` (``None``: detach it); ``save_pretrained`` reverses it through :mod:`.hooks`
+    """Attach ``state`` to ``model`` (``None``: detach it); ``save_pretrained`` reverses it through :mod:`modelpatch.apply.transformers`
     (installed on import)."""
     if state is None:
         model.__dict__.pop(STATE_ATTR, None)

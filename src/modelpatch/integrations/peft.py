@@ -29,7 +29,7 @@ does.
 
 Transformers' own PEFT integration (``model.load_adapter``, ``from_pretrained`` of an adapter folder) builds its
 adapter rules from the same table and loads through ``convert_and_load_state_dict_in_model``; its load hook
-(:mod:`modelpatch.conversion.hooks`) keeps, for a model modelpatch built, only the rules whose targets it has.
+(:mod:`modelpatch.apply.transformers`) keeps, for a model modelpatch built, only the rules whose targets it has.
 
 The third piece is a wrapper view (:mod:`modelpatch.conversion.wrappers`): PEFT's tuner layers (``base_layer``)
 and auxiliary wrappers (``modules_to_save``: ``original_module``), so that ``save_pretrained`` of a patched base
@@ -37,7 +37,7 @@ model that still holds LoRA layers writes the original base layout.
 
 **Installation.** :func:`install` (called by :func:`modelpatch.apply.transformers.install`, i.e. on import of
 modelpatch) registers the view and, when ``peft.utils.transformers_weight_conversion`` is already imported, wraps its
-two names like :mod:`modelpatch.conversion.hooks` wraps Transformers' functions (the originals kept, a name someone
+two names like :mod:`modelpatch.apply.transformers` wraps Transformers' functions (the originals kept, a name someone
 wrapped again after us left alone). PEFT imports that module lazily, on the first adapter injection, so until then
 an import hook (:data:`sys.meta_path` finder answering for that one module name only, None for every other) wraps
 it right after it is executed. :func:`uninstall` restores the originals and removes the finder. Importing modelpatch
@@ -140,7 +140,7 @@ _WRAPPERS = {
 
 
 def _wrap(module: ModuleType) -> None:
-    """Wrap the names of PEFT's conversion module (idempotent; see :mod:`modelpatch.conversion.hooks`)."""
+    """Wrap the names of PEFT's conversion module (idempotent; see :mod:`modelpatch.apply.transformers`)."""
     with _lock:
         for name, wrapper in _WRAPPERS.items():
             current = getattr(module, name, None)
