@@ -1,34 +1,23 @@
-"""Output recorders that follow replacement classes, and user-defined recorders, per model instance.
+"""User-defined output recorders (:func:`register_output_recorder`), per model instance or class.
 
-Transformers captures ``output_attentions``/``output_hidden_states``/``output_router_logits`` with
-forward hooks on modules that are ``isinstance`` of the classes named in ``_can_record_outputs``, looked
-up in ``transformers.utils.output_capturing._CAN_RECORD_REGISTRY`` (keyed by ``str(model class)``, and
-reset from the class attribute each time a model of that class is built).
+:func:`register_output_recorder` adds new ``output_<name>`` outputs. Their hooks are modelpatch's own (tagged,
+picklable callables), installed on the matching modules at registration or, for a class-level registration, the first
+time an instance runs; overwriting or unregistering removes them exactly. The registry (:mod:`.replacements`) reports
+the name with a recorder that matches no module, so Transformers allocates the output list but installs no hook of its
+own for it.
 
-* A replacement that is not a subclass of the original is not ``isinstance`` of it, so nothing would
-  be captured. ``transformers.monkey_patching.patch_output_recorders`` rewrites the *class* attribute,
-  which then stays wrong for every later unpatched model. modelpatch keeps *additions* on the model
-  instance and teaches the registry object to merge them in (its class is swapped once for a subclass
-  whose ``get(model)`` adds them). Models without additions get exactly what Transformers stored.
-* :func:`register_output_recorder` adds new ``output_<name>`` outputs. Their hooks are modelpatch's own
-  (tagged, picklable callables), installed on the matching modules at registration or, for a class-level
-  registration, the first time an instance runs; overwriting or unregistering removes them exactly.
-  The registry reports the name with a recorder that matches no module, so Transformers allocates the
-  output list but installs no hook of its own for it.
-* A model whose ``forward`` does not capture outputs itself (no ``@capture_outputs``: task heads such as
-  ``*ForCausalLM``, which build their own output object from the base model's, as ``Qwen2MoeForCausalLM``
-  copies ``router_logits``) would drop the new field. A model registered as an instance gets a pair of
-  tagged hooks (a *relay*): the pre-hook opens a collection frame for the ``output_<name>=True`` it was
-  called with (per thread / asyncio task), the capture hooks of its modules also append there, and the
-  forward hook puts the tuple into the model's output (appended last when ``return_dict=False``). So
-  ``lm(ids, output_<name>=True).<name>`` holds what ``lm.model`` captures (plus matching modules outside it).
+A model whose ``forward`` does not capture outputs itself (no ``@capture_outputs``: task heads such as
+``*ForCausalLM``, which build their own output object from the base model's, as ``Qwen2MoeForCausalLM`` copies
+``router_logits``) would drop the new field. A model registered as an instance gets a pair of tagged hooks (a
+*relay*): the pre-hook opens a collection frame for the ``output_<name>=True`` it was called with (per thread /
+asyncio task), the capture hooks of its modules also append there, and the forward hook puts the tuple into the
+model's output (appended last when ``return_dict=False``). So ``lm(ids, output_<name>=True).<name>`` holds what
+``lm.model`` captures (plus matching modules outside it).
 
-Everything is stored in the instances' ``__dict__``, so it follows ``copy.deepcopy`` and ``pickle``.
-"""
+Everything is stored in the instances' ``__dict__``, so it follows ``copy.deepcopy`` and ``pickle``."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 from contextvars import ContextVar
@@ -38,15 +27,20 @@ import torch.nn as nn
 from transformers.utils import output_capturing as _capturing
 from transformers.utils.output_capturing import OutputRecorder
 
-from .errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
-from .lazy_imports import pretrained_model_class
-from .patching.provenance import provenance
-from .undo import UndoStack
+from ..errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
+from ..lazy_imports import pretrained_model_class
+from ..patching.provenance import provenance
 
-__all__ = ["patch_output_recorders", "register_output_recorder", "unregister_output_recorder", "OutputRecorder"]
+__all__ = [
+    "register_output_recorder",
+    "unregister_output_recorder",
+    "OutputRecorder",
+    "require_extension",
+    "user_recorders",
+    "sync_hooks",
+]
 
 _lock = threading.RLock()
-_ADDITIONS_ATTR = "_modelpatch_recorder_additions"  # {name: [OutputRecorder]} for replacement classes
 _USER_ATTR = "_modelpatch_output_recorders"  # {name: (OutputRecorder, ...)} registered on this instance
 _HOOKED_ATTR = "_modelpatch_recorders_hooked"  # {name: recorders tuple} whose hooks are installed
 _USER_CLASS: weakref.WeakKeyDictionary[type, dict[str, tuple]] = weakref.WeakKeyDictionary()
@@ -56,108 +50,48 @@ class _MatchesNoModule(nn.Module):
     """Recorder target for user outputs: Transformers allocates the output list, hooks are ours."""
 
 
-_NO_HOOK = OutputRecorder(target_class=_MatchesNoModule)
+NO_HOOK = OutputRecorder(target_class=_MatchesNoModule)
 
 
-def _as_list(specs) -> list:
+def as_list(specs) -> list:
     if specs is None:
         return []
     return list(specs) if isinstance(specs, list) else [specs]
 
 
-def _own(module, attr: str) -> dict:
+def own_entries(module, attr: str) -> dict:
     return module.__dict__.get(attr) or {}
 
 
-def _user_recorders(model) -> dict[str, tuple]:
+def user_recorders(model) -> dict[str, tuple]:
     """Class-level then instance-level user recorders for ``model`` (instance entries win)."""
     found: dict[str, tuple] = {}
     for klass in reversed(type(model).__mro__):
         found.update(_USER_CLASS.get(klass, {}))
-    found.update(_own(model, _USER_ATTR))
+    found.update(own_entries(model, _USER_ATTR))
     return found
 
 
-class _InstanceAwareRegistry(_capturing._CanRecordRegistry):
-    """Transformers' registry, plus modelpatch's per-instance additions and user recorders."""
+def require_extension() -> None:
+    """Raise unless Transformers' recorder registry is modelpatch's extension
+    (:class:`~.replacements.InstanceAwareRegistry`, installed by :func:`~.replacements.install_registry_extension`).
 
-    def get(self, model):  # type: ignore[override]  # same contract as the parent's get(model)
-        base = super().get(model)
-        additions = _own(model, _ADDITIONS_ATTR)
-        user = _user_recorders(model)
-        if not additions and not user:
-            return base
-        merged = dict(base)
-        for name, specs in additions.items():
-            merged[name] = _as_list(merged.get(name)) + list(specs)
-        for name in user:
-            merged.setdefault(name, _NO_HOOK)
-        if user:
-            _sync_hooks(model, user)
-        return merged
-
-
-def install_registry_extension(undo: UndoStack) -> None:
-    """Swap the class of Transformers' registry object for :class:`_InstanceAwareRegistry` (idempotent); the swap
-    is pushed on ``undo``."""
-    registry = _capturing._CAN_RECORD_REGISTRY
-    if type(registry) is _capturing._CanRecordRegistry:
-        undo.setattr(registry, "__class__", _InstanceAwareRegistry, raw=True)
-
-
-def _require_extension() -> None:
-    if type(_capturing._CAN_RECORD_REGISTRY) is not _InstanceAwareRegistry:
+    Raises:
+        ModelpatchRuntimeError: the extension is uninstalled.
+    """
+    if not getattr(_capturing._CAN_RECORD_REGISTRY, "merges_modelpatch_recorders", False):
         raise ModelpatchRuntimeError(
             "modelpatch's Transformers integration is uninstalled; call modelpatch.apply.transformers.install()"
         )
 
 
-def _target_and_recorder(name: str, spec):
+def target_and_recorder(name: str, spec):
     """(target class or None, spec as an OutputRecorder) for one recorder spec in any accepted form."""
     if isinstance(spec, OutputRecorder):
         return spec.target_class, spec
     if isinstance(spec, type):
         return spec, OutputRecorder(target_class=spec, index=0 if "hidden_states" in name else 1)
     return None, spec  # a string: matched against module paths, unaffected by class replacement
-
-
-# -- replacement classes ---------------------------------------------------------------------------
-
-
-def _replaced_pairs(model: nn.Module) -> set[tuple[type, type]]:
-    """(original, replacement) for replaced modules that do not wrap an instance of their original
-    (a wrapper's inner original is captured already; recording the wrapper too would double entries)."""
-    pairs = set()
-    for module in model.modules():
-        found = provenance(module)
-        if found is not None and not any(isinstance(m, found.original) for m in module.modules()):
-            pairs.add((found.original, type(module)))
-    return pairs
-
-
-def patch_output_recorders(model: nn.Module) -> None:
-    """Make ``output_<name>=True`` capture from replacement modules of ``model`` (idempotent).
-
-    For every ``PreTrainedModel`` in ``model`` and every entry of its ``_can_record_outputs`` whose
-    target class was replaced in it by a class that is *not* a subclass of the original, an equivalent
-    recorder for the replacement class is added for that instance only. Class attributes and other
-    models of the same class are untouched. Called automatically after every patched build.
-    """
-    _require_extension()
-    pairs = _replaced_pairs(model)
-    pretrained = pretrained_model_class()
-    for submodel in [m for m in model.modules() if isinstance(m, pretrained)]:
-        base = dict.get(_capturing._CAN_RECORD_REGISTRY, str(submodel.__class__)) or {}
-        additions: dict[str, list] = {}
-        for name, specs in base.items():
-            for spec in _as_list(specs):
-                target, recorder = _target_and_recorder(name, spec)
-                if target is None:
-                    continue
-                for original, replacement in sorted(pairs, key=lambda p: p[1].__qualname__):
-                    if issubclass(original, target) and not issubclass(replacement, target):
-                        additions.setdefault(name, []).append(dataclasses.replace(recorder, target_class=replacement))
-        submodel.__dict__[_ADDITIONS_ATTR] = additions
 
 
 # -- user recorders --------------------------------------------------------------------------------
@@ -214,7 +148,7 @@ class _RelayStart:
 
     def __call__(self, module, args, kwargs):
         frames = tuple(f for f in _FRAMES.get() if f.owner is not module)  # one left by a KeyboardInterrupt
-        names = [name for name in _user_recorders(module) if _requested(module, name, kwargs)]
+        names = [name for name in user_recorders(module) if _requested(module, name, kwargs)]
         if names:
             frames += (_Frame(module, names),)
         if frames != _FRAMES.get():
@@ -305,13 +239,13 @@ def _remove_hooks(model: nn.Module, name: str) -> None:
                 del module._forward_hooks[handle_id]
 
 
-def _sync_hooks(model: nn.Module, user: dict[str, tuple]) -> None:
+def sync_hooks(model: nn.Module, user: dict[str, tuple]) -> None:
     """Make the installed hooks of ``model`` match ``user`` (cheap when nothing changed)."""
-    hooked = _own(model, _HOOKED_ATTR)
+    hooked = own_entries(model, _HOOKED_ATTR)
     if all(hooked.get(name) == recorders for name, recorders in user.items()):
         return
     with _lock:
-        hooked = dict(_own(model, _HOOKED_ATTR))
+        hooked = dict(own_entries(model, _HOOKED_ATTR))
         for name, recorders in user.items():
             if hooked.get(name) == recorders:
                 continue
@@ -362,8 +296,8 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
     if not isinstance(name, str) or not name.isidentifier():
         raise ModelpatchValueError(f"Output recorder name {name!r} must be a Python identifier (used as output_<name>)")
     specs: list = []
-    for spec in _as_list(recorder):
-        target, rec = _target_and_recorder(name, spec)
+    for spec in as_list(recorder):
+        target, rec = target_and_recorder(name, spec)
         if target is None or not (isinstance(target, type) and issubclass(target, nn.Module)):
             raise ModelpatchTypeError(
                 f"Recorder {spec!r} for output {name!r} must be an OutputRecorder or nn.Module subclass"
@@ -394,7 +328,7 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
                 f"{name!r} is an output {getattr(owner, '__name__', type(owner).__name__)} already records; "
                 "choose another name"
             )
-    _require_extension()
+    require_extension()
     with _lock:
         if isinstance(model_or_class, type):
             existing = _USER_CLASS.get(model_or_class, {})
@@ -404,16 +338,16 @@ def register_output_recorder(model_or_class, name: str, recorder, *, overwrite: 
                 )
             _USER_CLASS[model_or_class] = {**existing, name: recorders}
             return
-        taken = [o for o in owners if name in _own(o, _USER_ATTR)]
+        taken = [o for o in owners if name in own_entries(o, _USER_ATTR)]
         if taken and not overwrite:
             raise ModelpatchValueError(
                 f"Output recorder {name!r} is already registered on this model; pass overwrite=True"
             )
         for owner in owners:
-            owner.__dict__[_USER_ATTR] = {**_own(owner, _USER_ATTR), name: recorders}
+            owner.__dict__[_USER_ATTR] = {**own_entries(owner, _USER_ATTR), name: recorders}
             if not _captures_outputs(owner):
                 _install_relay(owner)
-        _sync_hooks(model_or_class, {name: recorders})
+        sync_hooks(model_or_class, {name: recorders})
 
 
 def unregister_output_recorder(model_or_class, name: str) -> None:
@@ -429,14 +363,16 @@ def unregister_output_recorder(model_or_class, name: str) -> None:
                 raise ModelpatchKeyError(f"No output recorder {name!r} registered for {model_or_class.__name__}")
             _USER_CLASS[model_or_class] = {k: v for k, v in entries.items() if k != name}
             return  # hooks left on instances are inert: the registry no longer reports the name
-        owners = [m for m in model_or_class.modules() if name in _own(m, _USER_ATTR)]
+        owners = [m for m in model_or_class.modules() if name in own_entries(m, _USER_ATTR)]
         if not owners:
             raise ModelpatchKeyError(f"No output recorder {name!r} registered for {type(model_or_class).__name__}")
         for owner in owners:
-            owner.__dict__[_USER_ATTR] = {k: v for k, v in _own(owner, _USER_ATTR).items() if k != name}
+            owner.__dict__[_USER_ATTR] = {k: v for k, v in own_entries(owner, _USER_ATTR).items() if k != name}
             if not owner.__dict__[_USER_ATTR]:
                 _remove_relay(owner)
         _remove_hooks(model_or_class, name)
         for module in model_or_class.modules():
-            if name in _own(module, _HOOKED_ATTR):
-                module.__dict__[_HOOKED_ATTR] = {k: v for k, v in _own(module, _HOOKED_ATTR).items() if k != name}
+            if name in own_entries(module, _HOOKED_ATTR):
+                module.__dict__[_HOOKED_ATTR] = {
+                    k: v for k, v in own_entries(module, _HOOKED_ATTR).items() if k != name
+                }
