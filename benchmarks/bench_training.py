@@ -86,7 +86,7 @@ def _load(case: str, variant: str, folder: str):
     from transformers import AutoModelForCausalLM
 
     from modelpatch.recipes import get_recipe
-    from modelpatch.recipes.experts import LinearExperts
+    from modelpatch.recipes.linear_experts import LinearExperts
 
     if variant == "unpatched":
         model = AutoModelForCausalLM.from_pretrained(folder)

@@ -28,13 +28,13 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import routing_coverage as rc  # noqa: E402
-from modelpatch.recipes.experts import (  # noqa: E402
+from modelpatch.recipes.linear_experts import (  # noqa: E402
     LinearExperts,
-    _module_name,
     experts_family,
     experts_model_types,
     linear_experts_recipe,
 )
+from modelpatch.recipes.linear_experts.layer import _module_name  # noqa: E402
 from routing_models import tiny_config  # noqa: E402
 
 START, END = "<!-- linear-experts-support:start -->\n", "<!-- linear-experts-support:end -->"

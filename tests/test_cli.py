@@ -21,8 +21,8 @@ from modelpatch.cli import main
 from modelpatch.cli.checkpoint import example_checkpoint
 from recipes_support import MINILM_DIR, save_case, tensors
 
-FUSED_QWEN2_MOE = "modelpatch.recipes.attention.FusedQKVQwen2MoeAttention"
-LINEAR_QWEN2_MOE = "modelpatch.recipes.experts.LinearQwen2MoeExperts"
+FUSED_QWEN2_MOE = "modelpatch.recipes.fused_qkv.decoder.FusedQKVQwen2MoeAttention"
+LINEAR_QWEN2_MOE = "modelpatch.recipes.linear_experts.layer.LinearQwen2MoeExperts"
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,7 @@ def test_one_line_errors(argv, message, tmp_path, capsys):
 def test_patches_module_in_the_current_directory(tmp_path, monkeypatch, capsys):
     """A console script has no current directory on sys.path; --patches my_module must still find ./my_module.py."""
     (tmp_path / "my_patches_module.py").write_text(
-        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention\n"
         "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
     )
     monkeypatch.chdir(tmp_path)

@@ -133,7 +133,7 @@ def test_script_style_file_passes_and_leaves_the_process_as_it_was(llama, tmp_pa
     """Registrations at import + Transformers' WeightConverter/Concatenate + a helper module beside the file."""
     write(
         tmp_path / "patches" / "script_helpers_a.py",
-        "from modelpatch.recipes.attention import FusedQKVLlamaAttention as MyAttention\n",
+        "from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention as MyAttention\n",
     )
     patches = write(tmp_path / "patches" / "script_style.py", SCRIPT_STYLE.format(helper="script_helpers_a"))
     path_before = list(sys.path)
@@ -212,7 +212,7 @@ TRANSFORMERS_RULE = 'WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"
 def test_transformers_rule_classes_count_as_matched(form, llama, tmp_path, capsys):
     header = (
         "from transformers.core_model_loading import WeightConverter, Concatenate\n"
-        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention\n"
     )
     if form == "CONVERSION_RULES":
         body = (
@@ -236,7 +236,7 @@ def test_convert_with_transformers_rule_classes(llama, tmp_path, capsys):
     patches = write(
         tmp_path / "rules.py",
         "from transformers import WeightConverter, Concatenate\n"
-        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention\n"
         "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
         f"CONVERSION_RULES = {{'llama': [{TRANSFORMERS_RULE}]}}\n",
     )
@@ -260,7 +260,7 @@ def test_helper_module_beside_the_file(tmp_path, capsys):
     write(
         tmp_path / "pkg" / "beside_helpers_b.py",
         """
-        from modelpatch.recipes.attention import FusedQKVLlamaAttention
+        from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
 
         class MyAttention(FusedQKVLlamaAttention):
             def __init__(self, *args, **kwargs):
@@ -531,7 +531,7 @@ PATCH_MAPPING = {"LlamaAttention": GatedAttention}
 
 UNFIRED_RULE = """
 from modelpatch.conversion import Concatenate, WeightConverter, WeightRenaming
-from modelpatch.recipes.attention import FusedQKVLlamaAttention
+from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
 
 PATCH_MAPPING = {"LlamaAttention": FusedQKVLlamaAttention}
 CONVERSION_RULES = {"llama": [
@@ -618,7 +618,7 @@ def test_explain_lists_the_rules_of_a_sub_model(llama, tmp_path, capsys):
         tmp_path / "sub_model_rules.py",
         """
         from modelpatch.conversion import Concatenate, WeightConverter
-        from modelpatch.recipes.attention import FusedQKVLlamaAttention
+        from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
         PATCH_MAPPING = {"LlamaAttention": FusedQKVLlamaAttention}
         CONVERSION_RULES = {"LlamaModel": [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"],
                                                            operations=[Concatenate(dim=0)])]}
@@ -691,7 +691,7 @@ def test_operation_class_instead_of_instance(where, tmp_path, capsys):
     body = (
         "from transformers import WeightConverter, Concatenate\n"
         "from modelpatch import register_checkpoint_conversion_mapping\n"
-        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention\n"
         "PATCH_MAPPING = {'LlamaAttention': FusedQKVLlamaAttention}\n"
     )
     body += (

@@ -41,7 +41,7 @@ RECIPE = dataclasses.replace(_base, name="skip-idle", patch_mapping={"Qwen2MoeEx
 TRAINING_ONLY_SCALE = """
 import dataclasses
 from modelpatch.recipes import get_recipe
-from modelpatch.recipes.attention import FusedQKVLlamaAttention
+from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
 
 
 class ScaledInTrainingAttention(FusedQKVLlamaAttention):

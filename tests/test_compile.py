@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, BertModel
 from helpers import tiny_bert_config, tiny_qwen2_moe_config, tiny_qwen3_moe_config
 from modelpatch.errors import ModelpatchValueError
 from modelpatch.recipes import get_recipe
-from modelpatch.recipes.experts import LinearExperts
+from modelpatch.recipes.linear_experts import LinearExperts
 from modelpatch.routing import RoutingTrace, record_routing, replay_routing
 from recipes_support import CASES, randomize_
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig
 from helpers import TINY, tiny_mixtral_config, tiny_qwen3_moe_config
 from modelpatch.conversion import Deinterleave, Interleave, SwapDims
 from modelpatch.recipes import LINEAR_EXPERTS_CLASSES, UnsupportedExpertsError, get_recipe
-from modelpatch.recipes.experts import LinearExperts, experts_family
+from modelpatch.recipes.linear_experts import LinearExperts, experts_family
 
 IDS = torch.tensor([[3, 17, 99, 4, 55, 23, 8, 1]])
 

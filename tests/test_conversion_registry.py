@@ -38,7 +38,7 @@ from modelpatch.conversion import (
 )
 from modelpatch.errors import ModelpatchValueError
 from modelpatch.recipes import get_recipe
-from modelpatch.recipes.attention import FusedQKVLlamaAttention
+from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +330,7 @@ def test_apply_patches_with_overwrite_loads_like_the_recipe(tmp_path):
 
 def test_strict_block_raises_for_a_conversion_rule_matching_nothing(tmp_path):
     from modelpatch.conversion import Concatenate, ConversionError, WeightConverter
-    from modelpatch.recipes.attention import FusedQKVLlamaAttention
+    from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
 
     save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
     qkv = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], [Concatenate(dim=0)])

@@ -187,7 +187,7 @@ def test_a_recipe_on_a_fused_load(tmp_path):
     from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
 
     from modelpatch.recipes import get_recipe
-    from modelpatch.recipes.experts import LinearExperts
+    from modelpatch.recipes.linear_experts import LinearExperts
     from routing_models import tiny_config
 
     text = tiny_config("glm4v_moe_text", n_routed_experts=4).to_dict()

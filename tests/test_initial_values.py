@@ -59,7 +59,7 @@ def test_checkpoint_tensors_no_rule_read_are_an_error_unless_allowed(tmp_path):
 def test_replacement_parameters_missing_from_checkpoint_are_named(tmp_path, caplog):
     # a fused replacement loaded without conversion rules: Transformers initialises qkv_proj at random
     from modelpatch import ConversionError, allow_init_values
-    from modelpatch.recipes.attention import FusedQKVLlamaAttention
+    from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
 
     save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path)
     # the checkpoint's q/k/v tensors are there, unread: an error by default (it was a warning, and a model whose

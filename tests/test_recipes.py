@@ -29,7 +29,7 @@ from modelpatch.recipes import (
     get_recipe,
     list_recipes,
 )
-from modelpatch.recipes.attention import FusedQKVLlamaAttention
+from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
 from recipes_support import CASES, IDS, MINILM_DIR, save_case, tensors
 
 REQUIRED = [
@@ -64,7 +64,7 @@ def test_recipes_the_support_table_measured_inexact_are_not_offered():
 
     from linear_experts_support import parse, readme_table
     from modelpatch.recipes import UnsupportedExpertsError, measured_refusal
-    from modelpatch.recipes.experts import linear_experts_recipe
+    from modelpatch.recipes.linear_experts import linear_experts_recipe
 
     release = transformers.__version__
     rows = parse(readme_table())[release]
@@ -78,7 +78,7 @@ def test_recipes_the_support_table_measured_inexact_are_not_offered():
     assert str(caught.value) == (
         f"no linear-experts recipe for 'laguna' on this Transformers release: measured on Transformers {release}: "
         "fused: logits differ by 1.45e-03 (the README's linear-experts support table; "
-        "modelpatch.recipes.experts.linear_experts_recipe('laguna') builds it anyway, unchecked)"
+        "modelpatch.recipes.linear_experts.linear_experts_recipe('laguna') builds it anyway, unchecked)"
     )
     with pytest.raises(UnsupportedExpertsError, match="'laguna' on this Transformers release"):
         get_recipe("laguna-linear-experts-from-fused")
@@ -323,7 +323,7 @@ def test_recipe_takes_a_plain_list_of_rules(tmp_path, capsys):
     (tmp_path / "recipe_style.py").write_text(
         "from modelpatch import Concatenate, WeightConverter\n"
         "from modelpatch.recipes import Recipe\n"
-        "from modelpatch.recipes.attention import FusedQKVLlamaAttention\n"
+        "from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention\n"
         "RECIPE = Recipe(name='mine', description='x', patch_mapping={'LlamaAttention': FusedQKVLlamaAttention},\n"
         "                conversion={'llama': [WeightConverter(['q_proj', 'k_proj', 'v_proj'], ['qkv_proj'],\n"
         "                                                       [Concatenate(dim=0)])]})\n"

@@ -15,7 +15,7 @@ from modelpatch import (
 from modelpatch.conversion import registry
 from modelpatch.conversion.rules import as_modelpatch_rule
 from modelpatch.recipes import Recipe, RuleSpec
-from modelpatch.recipes.attention import FusedQKVLlamaAttention
+from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
 
 QKV = (["q_proj", "k_proj", "v_proj"], ["qkv_proj"])
 FIX = "write operations=[Concatenate(dim=0)] instead of operations=[Concatenate]"

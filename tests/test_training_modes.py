@@ -26,7 +26,7 @@ import transformers
 import training_parity as tp
 from helpers import tiny_qwen2_moe_config
 from modelpatch.recipes import get_recipe
-from modelpatch.recipes.experts import LinearExperts
+from modelpatch.recipes.linear_experts import LinearExperts
 from test_training_parity import BATCHED_MM, NOISE_FACTOR, QKV_CASES, _assert_exact, _bound
 
 CASES = {

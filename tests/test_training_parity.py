@@ -33,7 +33,7 @@ from helpers import (
     tiny_qwen2_moe_config,
     tiny_qwen3_config,
 )
-from modelpatch.recipes.experts import LinearExperts
+from modelpatch.recipes.linear_experts import LinearExperts
 
 BATCHED_MM = {"experts_implementation": "batched_mm"}
 SGD_BOUND = 1e-6

@@ -84,7 +84,7 @@ def wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
         return DistributedDataParallel(model, find_unused_parameters=False)
     from torch.distributed.fsdp import fully_shard
 
-    from modelpatch.recipes.experts import ExpertMLP
+    from modelpatch.recipes.linear_experts import ExpertMLP
 
     for module in model.modules():
         if isinstance(module, ExpertMLP):
@@ -141,7 +141,7 @@ def _sharded_experts(model: torch.nn.Module) -> int:
     """How many per-expert modules FSDP2 shards on their own."""
     from torch.distributed.fsdp import FSDPModule
 
-    from modelpatch.recipes.experts import ExpertMLP
+    from modelpatch.recipes.linear_experts import ExpertMLP
 
     return sum(1 for m in model.modules() if isinstance(m, ExpertMLP) and isinstance(m, FSDPModule))
 

@@ -25,7 +25,7 @@ import linear_experts_support as les
 import routing_coverage as rc
 from modelpatch import iter_original_state_dict
 from modelpatch.recipes import get_recipe
-from modelpatch.recipes.experts import LinearExperts
+from modelpatch.recipes.linear_experts import LinearExperts
 
 OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter], float], torch.optim.Optimizer]] = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.1),

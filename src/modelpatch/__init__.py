@@ -133,7 +133,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """Names imported on first use (PEP 562), so ``import modelpatch`` does not import the recipes."""
     if name == "calibrate_all_experts":
-        from .recipes.calibration import calibrate_all_experts
+        from .recipes.linear_experts.calibration import calibrate_all_experts
 
         return calibrate_all_experts
     raise AttributeError(f"module 'modelpatch' has no attribute {name!r}")

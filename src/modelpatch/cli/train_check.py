@@ -311,7 +311,7 @@ class TrainResult:
 def _is_experts_module(module: nn.Module) -> bool:
     """A fused experts module (a class decorated with ``@use_experts_implementation``: the decorator sets these
     attributes) or linear experts."""
-    from ..recipes.experts import LinearExperts
+    from ..recipes.linear_experts import LinearExperts
 
     if isinstance(module, LinearExperts):
         return True

@@ -10,18 +10,18 @@ at once on one model, is ``get_recipe("qwen2_moe-full-example")``: fused QKV att
 built-in expert fusion dropped). :mod:`.base` defines :class:`Recipe` and :class:`RuleSpec`; the recipes:
 
 =========================  ===========================================================================
-``<type>-fused-qkv``       llama, mistral, qwen2, qwen2_moe, qwen3 (:mod:`.attention`); bert (:mod:`.bert`)
+``<type>-fused-qkv``       llama, mistral, qwen2, qwen2_moe, qwen3 (:mod:`.fused_qkv.decoder`); bert (:mod:`.fused_qkv.bert`)
 ``<type>-linear-experts``  every model type with a ``@use_experts_implementation`` experts class
-                           (:mod:`.experts`, derived on first use); per-expert or fused checkpoints
+                           (:mod:`.linear_experts`, derived on first use); per-expert or fused checkpoints
 ``linear-experts``         all of those at once
 ``...-from-fused``         deprecated alias of ``<type>-linear-experts`` (FutureWarning)
 =========================  ===========================================================================
 
 :mod:`.support` ships the README's "Linear experts support" table per Transformers release: the model types
 measured inexact there are not listed and :func:`get_recipe` refuses them (``UnsupportedExpertsError`` with the
-measured reason); :func:`.experts.linear_experts_recipe` still builds any of them, for measuring.
+measured reason); :func:`.linear_experts.linear_experts_recipe` still builds any of them, for measuring.
 
-:mod:`.calibration` has :func:`~.calibration.calibrate_all_experts` (every expert of the per-expert recipes runs on
+:mod:`.linear_experts.calibration` has :func:`~.linear_experts.calibrate_all_experts` (every expert of the per-expert recipes runs on
 every token, for GPTQ/AWQ-style calibration observers).
 """
 
@@ -34,11 +34,11 @@ import warnings
 import transformers
 
 from ..errors import ModelpatchError
-from .attention import FAMILIES as _ATTENTION_FAMILIES
-from .attention import FUSED_QKV_CLASSES, FusedQKVAttention, fused_qkv_recipe
 from .base import Recipe, RuleSpec
-from .bert import BERT_FUSED_QKV, FusedQKVBertSelfAttention
-from .experts import (
+from .fused_qkv.bert import BERT_FUSED_QKV, FusedQKVBertSelfAttention
+from .fused_qkv.decoder import FAMILIES as _ATTENTION_FAMILIES
+from .fused_qkv.decoder import FUSED_QKV_CLASSES, FusedQKVAttention, fused_qkv_recipe
+from .linear_experts.layer import (
     LINEAR_EXPERTS_CLASSES,
     ExpertMLP,
     LinearExperts,
@@ -153,7 +153,7 @@ def _refuse_measured(model_type: str) -> None:
     if why is not None:
         raise UnsupportedExpertsError(
             f"no linear-experts recipe for {model_type!r} on this Transformers release: {why} (the README's "
-            f"linear-experts support table; modelpatch.recipes.experts.linear_experts_recipe({model_type!r}) builds "
+            f"linear-experts support table; modelpatch.recipes.linear_experts.linear_experts_recipe({model_type!r}) builds "
             "it anyway, unchecked)"
         )
 

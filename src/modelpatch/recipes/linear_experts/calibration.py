@@ -20,9 +20,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from ..errors import ModelpatchValueError
-from ..undo import UndoStack
-from .experts import LinearExperts
+from ...errors import ModelpatchValueError
+from ...undo import UndoStack
+from .layer import LinearExperts
 
 __all__ = ["calibrate_all_experts"]
 

@@ -17,9 +17,9 @@ from typing import ClassVar
 
 import torch.nn as nn
 
-from ..conversion import Concatenate, WeightConverter
-from ..errors import ModelpatchValueError
-from .base import Recipe, RuleSpec
+from ...conversion import Concatenate, WeightConverter
+from ...errors import ModelpatchValueError
+from ..base import Recipe, RuleSpec
 
 __all__ = ["FusedQKVBertSelfAttention", "bert_fused_qkv_rules", "BERT_FUSED_QKV"]
 

@@ -74,7 +74,7 @@ import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 
-from ..conversion import (
+from ...conversion import (
     Chunk,
     Deinterleave,
     Layout,
@@ -83,10 +83,10 @@ from ..conversion import (
     SplitModulelist,
     SwapDims,
 )
-from ..conversion.rules import as_modelpatch_rule
-from ..conversion.zero3 import tensor_shape
-from ..errors import ModelpatchError, ModelpatchValueError
-from .base import Recipe, RuleSpec
+from ...conversion.rules import as_modelpatch_rule
+from ...conversion.zero3 import tensor_shape
+from ...errors import ModelpatchError, ModelpatchValueError
+from ..base import Recipe, RuleSpec
 
 __all__ = [
     "ExpertsClass",
@@ -572,7 +572,7 @@ class LinearExperts(nn.ModuleList):
         Raises:
             TensorParallelError: the experts have biases (a row-split ``down`` bias would be added once per rank).
         """
-        from ..integrations.tensor_parallel import TensorParallelError
+        from ...integrations.tensor_parallel import TensorParallelError
 
         if self.has_bias:
             raise TensorParallelError(
