@@ -34,7 +34,7 @@ from modelpatch.recipes.linear_experts import (  # noqa: E402
     experts_model_types,
     linear_experts_recipe,
 )
-from modelpatch.recipes.linear_experts.layer import _module_name  # noqa: E402
+from modelpatch.recipes.linear_experts.discovery import modeling_module_name as _module_name  # noqa: E402
 from routing_models import tiny_config  # noqa: E402
 
 START, END = "<!-- linear-experts-support:start -->\n", "<!-- linear-experts-support:end -->"

@@ -38,7 +38,7 @@ from .base import Recipe, RuleSpec
 from .fused_qkv.bert import BERT_FUSED_QKV, FusedQKVBertSelfAttention
 from .fused_qkv.decoder import FAMILIES as _ATTENTION_FAMILIES
 from .fused_qkv.decoder import FUSED_QKV_CLASSES, FusedQKVAttention, fused_qkv_recipe
-from .linear_experts.layer import (
+from .linear_experts import (
     LINEAR_EXPERTS_CLASSES,
     ExpertMLP,
     LinearExperts,

@@ -8,29 +8,6 @@ Transformers 5.x stores the experts of a MoE layer as fused 3-D parameters in a 
 default ``act_fn(gate) * up``, or the family's own, e.g. gpt-oss's clamped GLU) combines gate and up, and
 ``batched_mm_experts_forward`` there is the generic formulation of every decorated class's math.
 
-Nothing here is written per family. For a ``model_type`` the decorated classes are found in its modeling module's
-source text (cheap: no modeling module is imported until a recipe is applied), the per-expert names in
-Transformers' own conversion mapping of that type (the source patterns of the converter that fuses
-``experts.*.<name>.weight`` into ``experts.gate_up_proj`` / ``experts.down_proj``: ``gate_proj/up_proj/down_proj``
-for Qwen, ``w1/w3/w2`` for Mixtral; ``gate_proj/up_proj/down_proj`` for families whose checkpoints are fused
-already, e.g. gpt-oss). The replacement of class ``<X>`` is ``Linear<X>`` (:class:`LinearExperts`): built with the
-original's constructor arguments, it builds the original on the ``meta`` device, reads its flags, shapes and the
-attributes its ``_apply_gate`` uses, and holds ``E`` :class:`ExpertMLP` modules, expert ``e`` with ``gate``, ``up``
-and ``down`` linears (``up`` and ``down`` only without gate; biases where the family has them).
-
-One recipe ``<model_type>-linear-experts`` loads both checkpoint layouts, and saves the one it loaded (the rules
-carry alternative :class:`~modelpatch.conversion.Layout` s of one group, see :mod:`modelpatch.conversion.rules`):
-
-* per-expert (``"per-expert"``, the default: the Hub layout, Transformers' default ``save_pretrained``): the
-  tensors load directly into the expert linears; the family's built-in renamings (Mixtral's ``block_sparse_moe``
-  -> ``mlp``) are kept, the built-in fusion is dropped (``overwrite=True``);
-* fused (``"fused"``, ``save_pretrained(..., save_original_format=False)``): ``experts.gate_up_proj`` is transposed
-  back if the class stores it transposed (:class:`~modelpatch.conversion.SwapDims`), split into gate and up
-  (``Chunk(dim=1)``, or :class:`~modelpatch.conversion.Deinterleave` for alternating columns) and per expert
-  (``SplitModulelist(dim=0)``); ``down_proj`` and the biases likewise. On save the rules run backwards.
-
-A model built from a config (nothing loaded) saves the per-expert layout.
-
 ``forward(hidden_states (N, H), top_k_index (N, k) long, top_k_weights (N, k)) -> (N, H)`` follows the original
 loop (experts visited in index order, the index ``E`` used as padding is skipped, ``index_add_``), so outputs equal
 the fused original within fp32 rounding. Training steps the same parameters as the original: an expert no token
@@ -62,273 +39,26 @@ gradients within 1e-5):
 
 from __future__ import annotations
 
-import functools
-import importlib
-import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 
-from ...conversion import (
-    Chunk,
-    Deinterleave,
-    Layout,
-    LayoutWeightConverter,
-    LayoutWeightRenaming,
-    SplitModulelist,
-    SwapDims,
-)
-from ...conversion.rules import as_modelpatch_rule
 from ...conversion.zero3 import tensor_shape
-from ...errors import ModelpatchError, ModelpatchValueError
-from ..base import Recipe, RuleSpec
+from ...errors import ModelpatchValueError
+from .discovery import (
+    DEFAULT_FLAGS,
+    FLAGS,
+    ExpertsClass,
+    ExpertsFamily,
+    UnsupportedExpertsError,
+    experts_family,
+    experts_model_types,
+)
 
-__all__ = [
-    "ExpertsClass",
-    "ExpertsFamily",
-    "ExpertMLP",
-    "LinearExperts",
-    "LINEAR_EXPERTS_CLASSES",
-    "COMPILED_DISPATCHES",
-    "UnsupportedExpertsError",
-    "experts_family",
-    "experts_model_types",
-    "linear_experts_class",
-    "linear_experts_recipe",
-    "generic_linear_experts_recipe",
-]
-
-
-class UnsupportedExpertsError(ModelpatchError, ValueError):
-    """The experts class (or the model type) cannot get per-expert linear experts; the message says why."""
-
-
-_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
-_DEFAULT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
-_DEFAULT_FLAGS["has_post_expert_norm"] = False
-_DECORATED = re.compile(r"^@use_experts_implementation(?:\((.*?)\))?\s*\nclass (\w+)\(", re.M | re.S)
-_FLAG = re.compile(r"(\w+)\s*=\s*(True|False)")
-
-
-@dataclass(frozen=True)
-class ExpertsClass:
-    """A class decorated with ``@use_experts_implementation``, as its module's source declares it.
-
-    Attributes:
-        module: the modeling module (``"transformers.models.mixtral.modeling_mixtral"``).
-        name: the class name (``"MixtralExperts"``).
-        flags: the decorator's arguments, defaults filled in (``has_gate``, ``has_bias``, ``is_transposed``,
-            ``is_concatenated``, ``has_post_expert_norm``).
-    """
-
-    module: str
-    name: str
-    flags: Mapping[str, bool] = field(default_factory=lambda: dict(_DEFAULT_FLAGS))
-
-    def load(self) -> type:
-        """The class itself (imports its modeling module)."""
-        return getattr(importlib.import_module(self.module), self.name)
-
-
-@dataclass(frozen=True)
-class ExpertsFamily:
-    """What the recipe of one ``model_type`` is derived from.
-
-    Attributes:
-        model_type: ``config.model_type`` (conversion registry name).
-        original: the first decorated class of its modeling module (``"MixtralExperts"``).
-        names: per-expert linear names, as in the family's per-expert checkpoints: ``(gate, up, down)``, or
-            ``(up, down)`` without gate.
-        classes: every decorated class of the modeling module (composite models may have several).
-        unsupported: why the family cannot be supported (``None`` when it can).
-        per_expert_checkpoints: Transformers' conversion mapping of the type (or of the type whose modeling file
-            defines the class) has an expert converter, i.e. its ``save_pretrained`` writes one tensor per expert
-            (the Hub layout); ``False`` (gpt_oss, granitemoe): its checkpoints keep the fused tensors, the layout a
-            model built from a config saves.
-    """
-
-    model_type: str
-    original: str
-    names: tuple[str, ...]
-    classes: tuple[ExpertsClass, ...]
-    unsupported: str | None = None
-    per_expert_checkpoints: bool = True
-
-    @property
-    def flags(self) -> Mapping[str, bool]:
-        return self.classes[0].flags
-
-
-def _module_name(model_type: str) -> str | None:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
-
-    if model_type not in CONFIG_MAPPING_NAMES:
-        return None
-    return model_type_to_module_name(model_type)
-
-
-def _models_dir() -> Path:
-    import transformers
-
-    return Path(transformers.__file__).parent / "models"
-
-
-@functools.cache
-def _classes_in(folder: str) -> tuple[ExpertsClass, ...]:
-    """The decorated classes of ``transformers/models/<folder>/modeling_<folder>.py`` (read as text)."""
-    path = _models_dir() / folder / f"modeling_{folder}.py"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return ()
-    if "@use_experts_implementation" not in text:
-        return ()
-    found = []
-    for match in _DECORATED.finditer(text):
-        flags = dict(_DEFAULT_FLAGS)
-        flags.update({k: v == "True" for k, v in _FLAG.findall(match.group(1) or "") if k in _FLAGS})
-        found.append(ExpertsClass(f"transformers.models.{folder}.modeling_{folder}", match.group(2), flags))
-    return tuple(found)
-
-
-@functools.cache
-def experts_model_types() -> tuple[str, ...]:
-    """Every ``model_type`` of the installed Transformers whose modeling module declares a class decorated with
-    ``@use_experts_implementation`` (from the modules' source text; nothing is imported). Sorted."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    return tuple(mt for mt in sorted(CONFIG_MAPPING_NAMES) if _classes_in(_module_name(mt) or ""))
-
-
-_EXPERT_TARGET = re.compile(r"experts\.(gate_up_proj|up_proj|down_proj)$")
-_PER_EXPERT_SOURCE = re.compile(r"experts\.\*\.(\w+)\.weight$")
-
-
-def _unescape(pattern: str) -> str:
-    return pattern.removeprefix("^").replace("\\.", ".")
-
-
-def _builtin_rules(model_type: str) -> list:
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    return list(get_checkpoint_conversion_mapping(model_type) or [])
-
-
-def _split_builtins(model_type: str) -> tuple[dict[str, list[str]], list, str | None]:
-    """Transformers' rules of ``model_type``: ``({fused name: per-expert names}, other rules, why unsupported)``."""
-    from transformers import core_model_loading as _tcml
-
-    names: dict[str, list[str]] = {}
-    others = []
-    for rule in _builtin_rules(model_type):
-        targets = [_unescape(t) for t in rule._original_target_patterns]
-        fused = [m.group(1) for t in targets if (m := _EXPERT_TARGET.search(t))]
-        if not fused or not isinstance(rule, _tcml.WeightConverter):
-            others.append(rule)
-            continue
-        ops = [type(op).__name__ for op in rule.operations]
-        sources = [_PER_EXPERT_SOURCE.search(_unescape(s)) for s in rule._original_source_patterns]
-        standard = (["MergeModulelist", "Concatenate"], 2) if fused[0] == "gate_up_proj" else (["MergeModulelist"], 1)
-        if (ops, len(sources)) != standard or not all(sources):
-            return (
-                {},
-                others,
-                (
-                    f"Transformers converts its checkpoints' experts with {ops} "
-                    f"({rule._original_source_patterns} -> {rule._original_target_patterns}), not from per-expert tensors"
-                ),
-            )
-        names[fused[0]] = [m.group(1) for m in sources if m]
-    return names, others, None
-
-
-@functools.cache
-@functools.cache
-def _class_keyed_expert_converter(folder: str) -> bool:
-    """Whether Transformers has an expert converter registered under the name of a class of ``folder``'s modeling
-    file (Transformers looks class names up before the model type: ``Dots3NoteTextModel``), i.e. that type's
-    ``save_pretrained`` writes per-expert tensors although its model type has no converter."""
-    import transformers.conversion_mapping as cm
-
-    cm.get_checkpoint_conversion_mapping("")  # builds the table
-    table = getattr(cm, "_checkpoint_conversion_mapping_cache", None) or {}
-    path = _models_dir() / folder / f"modeling_{folder}.py"
-    if not folder or not path.is_file():
-        return False
-    text = path.read_text(encoding="utf-8")
-    return any(key[:1].isupper() and f"class {key}(" in text and _split_builtins(key)[0] for key in table)
-
-
-_CLASS_BASES = re.compile(r"^class (\w+)\(([\w., ]+)\)", re.M)
-
-
-def _undecorated_subclass(folder: str, classes: tuple[ExpertsClass, ...]) -> tuple[str, str] | None:
-    """``(subclass, decorated class)`` for a class of ``folder``'s modeling file that subclasses one of its
-    decorated ``classes`` (read as text), e.g. Ergo's ``ErgoExperts(ErgoExpertProjections)``; ``None`` if none."""
-    path = _models_dir() / folder / f"modeling_{folder}.py"
-    if not folder or not path.is_file():
-        return None
-    names = {c.name for c in classes}
-    for match in _CLASS_BASES.finditer(path.read_text(encoding="utf-8")):
-        base = next((b.strip() for b in match.group(2).split(",") if b.strip() in names), None)
-        if base is not None:
-            return match.group(1), base
-    return None
-
-
-def experts_family(model_type: str) -> ExpertsFamily:
-    """The :class:`ExpertsFamily` of ``model_type`` (from source text and Transformers' conversion mapping).
-
-    Raises:
-        UnsupportedExpertsError: ``model_type`` has no class decorated with ``@use_experts_implementation``.
-    """
-    classes = _classes_in(_module_name(model_type) or "")
-    if not classes:
-        raise UnsupportedExpertsError(
-            f"model type {model_type!r} has no experts class decorated with @use_experts_implementation in this "
-            "Transformers release"
-        )
-    fused, _, why = _split_builtins(model_type)
-    home = _module_name(model_type)
-    if home and home != model_type and not fused and _module_name(home) == home:
-        # a model type sharing another type's experts class (a composite's text model, minimax_m3_vl_text in
-        # minimax_m3_vl) with no expert converter of its own: the class's per-expert names are those of the type
-        # whose modeling file defines it, so one replacement class has one set of names whichever type asks first
-        fused = _split_builtins(home)[0]
-    gated = {c.flags["has_gate"] for c in classes}
-    if len(gated) > 1:
-        why = why or "its experts classes differ in has_gate"
-    if True in gated:
-        gate_up = fused.get("gate_up_proj", ["gate_proj", "up_proj"])
-        names: tuple[str, ...] = (*gate_up, fused.get("down_proj", ["down_proj"])[0])
-    else:
-        names = (fused.get("up_proj", ["up_proj"])[0], fused.get("down_proj", ["down_proj"])[0])
-    subclass = _undecorated_subclass(home or "", classes)
-    if subclass and not why:
-        why = (
-            f"{subclass[0]}, the experts module the model builds, subclasses the decorated {subclass[1]} and adds "
-            "its own forward and parameters (e.g. a per-expert post-expert norm): a replacement of the decorated "
-            "class is never built, and a ModuleList of per-expert linears has no place for the rest"
-        )
-    norm = [c.name for c in classes if c.flags["has_post_expert_norm"]]
-    if norm and not why:
-        why = (
-            f"{norm[0]} has a post-expert norm (one parameterised module shared by all experts, applied to each "
-            "expert's output), which a ModuleList of per-expert linears has no place for"
-        )
-    return ExpertsFamily(
-        model_type,
-        classes[0].name,
-        names,
-        classes,
-        why,
-        per_expert_checkpoints=bool(fused) or _class_keyed_expert_converter(home or ""),
-    )
+__all__ = ["COMPILED_DISPATCHES", "ExpertMLP", "LINEAR_EXPERTS_CLASSES", "LinearExperts", "linear_experts_class"]
 
 
 class ExpertMLP(nn.Module):
@@ -382,7 +112,7 @@ class ExpertMLP(nn.Module):
 COMPILED_DISPATCHES = ("sparse", "dense")
 """Values of :attr:`LinearExperts.compiled_dispatch` (see the module docstring)."""
 
-_SKIPPED_ATTRIBUTES = frozenset({"training", "config", "num_experts", *_FLAGS})
+_SKIPPED_ATTRIBUTES = frozenset({"training", "config", "num_experts", *FLAGS})
 
 
 def _reference(original: type, config, args, kwargs) -> nn.Module:
@@ -397,7 +127,7 @@ def _derive(ref: nn.Module, cls_name: str) -> dict[str, Any]:
         UnsupportedExpertsError: a post-expert norm, parameters other than the fused ones, or an activation with
             parameters.
     """
-    flags = {name: bool(getattr(ref, name, _DEFAULT_FLAGS[name])) for name in _FLAGS}
+    flags = {name: bool(getattr(ref, name, DEFAULT_FLAGS[name])) for name in FLAGS}
     if flags["has_post_expert_norm"]:
         raise UnsupportedExpertsError(
             f"{cls_name}: a post-expert norm (one parameterised module shared by all experts) has no place in a "
@@ -730,107 +460,3 @@ class _LinearExpertsClasses(Mapping):
 LINEAR_EXPERTS_CLASSES: Mapping[str, type[LinearExperts]] = _LinearExpertsClasses()
 """``{model_type: replacement class}`` (``LINEAR_EXPERTS_CLASSES["mixtral"].__name__ == "LinearMixtralExperts"``),
 derived when looked up."""
-
-
-def _conversion_rules(family: ExpertsFamily) -> list:
-    """The rules of ``family``: Transformers' other rules (renamings of the per-expert layout), then the fused
-    layout's converters (see the module docstring)."""
-    from transformers import core_model_loading as _tcml
-
-    group = f"{family.model_type}-experts"
-    # the default layout (saved by a model built from a config, or loaded from neither layout) is the one
-    # Transformers' own save_pretrained writes for the type, so plain Transformers loads it
-    hub = family.per_expert_checkpoints
-    per_expert, fused = Layout(group, "per-expert", default=hub), Layout(group, "fused", default=not hub)
-    _, others, _ = _split_builtins(family.model_type)
-    rules: list = []
-    for rule in others:
-        if isinstance(rule, _tcml.PrefixChange):
-            continue  # a change of the base-model prefix, which Transformers applies itself
-        if type(rule) is _tcml.WeightRenaming:
-            sources, targets = list(rule._original_source_patterns), list(rule._original_target_patterns)
-            rules.append(LayoutWeightRenaming(sources, targets, layout=per_expert))
-        else:
-            rules.append(as_modelpatch_rule(rule))
-    flags = family.flags
-    swap = [SwapDims(1, 2)] if flags["is_transposed"] else []
-    split = Chunk(dim=1) if flags["is_concatenated"] else Deinterleave(dim=1)
-    suffixes = ["weight"] + (["bias"] if flags["has_bias"] else [])
-    if flags["has_gate"]:
-        gate, up, down = family.names
-        first, inputs, split_ops = "gate_up_proj", [gate, up], [split]
-    else:
-        up, down = family.names[-2:]
-        first, inputs, split_ops = "up_proj", [up], []
-    for suffix in suffixes:
-        fused_name = "" if suffix == "weight" else "_bias"
-        ops = (swap if suffix == "weight" else []) + split_ops + [SplitModulelist(dim=0)]
-        targets = [f"experts.*.{name}.{suffix}" for name in inputs]
-        rules.append(LayoutWeightConverter(f"experts.{first}{fused_name}", targets, ops, layout=fused))
-        down_ops = (swap if suffix == "weight" else []) + [SplitModulelist(dim=0)]
-        rules.append(
-            LayoutWeightConverter(
-                f"experts.down_proj{fused_name}", f"experts.*.{down}.{suffix}", down_ops, layout=fused
-            )
-        )
-    return rules
-
-
-def _check_supported(family: ExpertsFamily) -> None:
-    if family.unsupported:
-        raise UnsupportedExpertsError(f"no linear-experts recipe for {family.model_type!r}: {family.unsupported}")
-
-
-def linear_experts_recipe(family: ExpertsFamily | str, *, from_fused: bool = False) -> Recipe:
-    """The per-expert recipe ``<model_type>-linear-experts`` of ``family`` (an :class:`ExpertsFamily` or a
-    ``model_type``): loads per-expert and fused checkpoints alike, saves the layout loaded.
-
-    ``from_fused`` is accepted for old code and changes nothing (the recipe loads both layouts).
-
-    Raises:
-        UnsupportedExpertsError: the model type has no decorated experts class, or it cannot be supported (the
-            message says why).
-    """
-    family = experts_family(family) if isinstance(family, str) else family
-    _check_supported(family)
-    mapping = {c.name: linear_experts_class(family, c) for c in family.classes}
-    names = "/".join(family.names)
-    return Recipe(
-        name=f"{family.model_type}-linear-experts",
-        description=f"{', '.join(mapping)} -> ModuleList of per-expert nn.Linear ({names}); per-expert or fused "
-        "checkpoints, saved in the layout loaded",
-        patch_mapping=mapping,
-        conversion={family.model_type: RuleSpec(functools.partial(_conversion_rules, family), overwrite=True)},
-        model_types=(family.model_type,),
-    )
-
-
-def generic_linear_experts_recipe() -> Recipe:
-    """``linear-experts``: the recipes of every supported model type at once (a model of any of them gets its
-    experts replaced and its rules). Derived from source text when called (no modeling module imported)."""
-    mapping: dict[str, type[LinearExperts]] = {}
-    conversion: dict[str, RuleSpec] = {}
-    types = []
-    for model_type in experts_model_types():
-        family = experts_family(model_type)
-        if family.unsupported:
-            continue
-        if any(c.name in mapping and mapping[c.name].family.names != family.names for c in family.classes):
-            continue  # its class is replaced by name for another type that names the linears otherwise: own recipe
-        for c in family.classes:
-            mapping.setdefault(c.name, linear_experts_class(family, c))
-        conversion[model_type] = RuleSpec(functools.partial(_conversion_rules, family), overwrite=True)
-        types.append(model_type)
-    return Recipe(
-        name="linear-experts",
-        description="every @use_experts_implementation experts class -> ModuleList of per-expert nn.Linear",
-        patch_mapping=mapping,
-        conversion=conversion,
-        model_types=tuple(types),
-    )
-
-
-def __getattr__(name: str):
-    if name == "FAMILIES":  # derived when asked for: every model type with decorated experts
-        return tuple(experts_family(mt) for mt in experts_model_types())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
