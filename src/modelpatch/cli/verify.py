@@ -404,7 +404,7 @@ def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info:
     reference would blame the patch for the checkpoint's layout.
     """
     from ..conversion.compose import has_target_layout
-    from ..conversion.rules import WeightConverter, as_modelpatch_rule, match_rule
+    from ..conversion.rules import WeightConverter, as_modelpatch_rule, match_rule, original_patterns
 
     missing = sorted(str(k) for k in vanilla_info.get("missing_keys") or ())
     if not missing:
@@ -421,7 +421,7 @@ def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info:
             converted = next((key for key in keys if has_target_layout(rule, [key])), None)
             if converted is None:
                 continue
-            sources = ", ".join(rule._original_source_patterns)
+            sources = ", ".join(original_patterns(rule)[0])
             return (
                 f"'{model_dir}' is already in the converted layout of {recipe.name} (it has '{converted}' and no "
                 f"key matching {sources}), so the unpatched reference load would leave {len(missing)} parameter(s) "

@@ -10,7 +10,7 @@ from ..patching.provenance import build_record
 from . import registry
 from .errors import ConversionError
 from .overlap import drop_replaced_builtins, has_target_layout, overlaps
-from .rules import rule_layout
+from .rules import original_patterns, rule_layout
 from .state import get_state
 
 __all__ = [
@@ -215,7 +215,8 @@ def layout_settled(rule, rules, fired: set) -> bool:
 
 
 def _signature(rule) -> tuple:
-    return (type(rule).__name__, tuple(rule._original_source_patterns), tuple(rule._original_target_patterns))
+    sources, targets = original_patterns(rule)
+    return (type(rule).__name__, tuple(sources), tuple(targets))
 
 
 def _builtin_signatures(sub) -> set:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .rules import pattern_regex
+from .rules import original_patterns, pattern_regex
 
 __all__ = ["drop_replaced_builtins", "has_target_layout", "overlaps"]
 
@@ -17,12 +17,13 @@ __all__ = ["drop_replaced_builtins", "has_target_layout", "overlaps"]
 def has_target_layout(rule, names) -> bool:
     """Whether any of ``names`` (state-dict or checkpoint keys) is named like a target pattern of ``rule``: the keys
     are already in the layout the rule converts to."""
-    targets = _texts(rule)[len(rule._original_source_patterns) :]
+    targets = _texts(rule)[len(original_patterns(rule)[0]) :]
     return any(_search(target, name) for target in targets for name in names)
 
 
 def _texts(rule) -> list[str]:
-    patterns = list(rule._original_source_patterns) + list(rule._original_target_patterns)
+    sources, targets = original_patterns(rule)
+    patterns = sources + targets
     return [p.removeprefix("^").replace(r"\.", ".") for p in patterns]
 
 

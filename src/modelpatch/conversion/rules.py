@@ -36,7 +36,18 @@ __all__ = [
     "match_rule",
     "pattern_regex",
     "as_modelpatch_rule",
+    "original_patterns",
 ]
+
+
+def original_patterns(rule) -> tuple[list[str], list[str]]:
+    """``(source patterns, target patterns)`` of a Transformers ``WeightConverter`` / ``WeightRenaming`` (or ours) as
+    they were written, before Transformers compiled them into its matching regexes.
+
+    Transformers keeps them in the private ``_original_source_patterns`` / ``_original_target_patterns``; this is the
+    one place modelpatch reads them, so a rename upstream is one change here."""
+    return list(rule._original_source_patterns), list(rule._original_target_patterns)
+
 
 _NAME_START = re.compile(r"[A-Za-z0-9_]")
 
@@ -115,8 +126,8 @@ class WeightConverter(_BoundaryMatching, _tcml.WeightConverter):
 
     def __repr__(self):
         return (
-            f"WeightConverter(source_patterns={self._original_source_patterns}, "
-            f"target_patterns={self._original_target_patterns}, operations={self.operations})"
+            f"WeightConverter(source_patterns={original_patterns(self)[0]}, "
+            f"target_patterns={original_patterns(self)[1]}, operations={self.operations})"
         )
 
 
@@ -218,11 +229,10 @@ def as_modelpatch_rule(rule) -> WeightRenaming | WeightConverter:
         return rule
     rebuilt: WeightRenaming | WeightConverter | None
     if type(rule) is _tcml.WeightRenaming:
-        rebuilt = WeightRenaming(list(rule._original_source_patterns), list(rule._original_target_patterns))
+        rebuilt = WeightRenaming(*original_patterns(rule))
     elif type(rule) is _tcml.WeightConverter:
         rebuilt = WeightConverter(
-            list(rule._original_source_patterns),
-            list(rule._original_target_patterns),
+            *original_patterns(rule),
             list(rule.operations),
             force_cpu=getattr(rule, "force_cpu", False),
         )

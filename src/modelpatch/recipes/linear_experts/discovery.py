@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...conversion.rules import original_patterns
 from ...errors import ModelpatchError
 
 __all__ = [
@@ -159,13 +160,14 @@ def split_builtins(model_type: str) -> tuple[dict[str, list[str]], list, str | N
     names: dict[str, list[str]] = {}
     others = []
     for rule in builtin_rules(model_type):
-        targets = [_unescape(t) for t in rule._original_target_patterns]
+        written_sources, written_targets = original_patterns(rule)
+        targets = [_unescape(t) for t in written_targets]
         fused = [m.group(1) for t in targets if (m := _EXPERT_TARGET.search(t))]
         if not fused or not isinstance(rule, _tcml.WeightConverter):
             others.append(rule)
             continue
         ops = [type(op).__name__ for op in rule.operations]
-        sources = [_PER_EXPERT_SOURCE.search(_unescape(s)) for s in rule._original_source_patterns]
+        sources = [_PER_EXPERT_SOURCE.search(_unescape(s)) for s in written_sources]
         standard = (["MergeModulelist", "Concatenate"], 2) if fused[0] == "gate_up_proj" else (["MergeModulelist"], 1)
         if (ops, len(sources)) != standard or not all(sources):
             return (
@@ -173,7 +175,7 @@ def split_builtins(model_type: str) -> tuple[dict[str, list[str]], list, str | N
                 others,
                 (
                     f"Transformers converts its checkpoints' experts with {ops} "
-                    f"({rule._original_source_patterns} -> {rule._original_target_patterns}), not from per-expert tensors"
+                    f"({written_sources} -> {written_targets}), not from per-expert tensors"
                 ),
             )
         names[fused[0]] = [m.group(1) for m in sources if m]

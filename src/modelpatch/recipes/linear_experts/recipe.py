@@ -27,7 +27,7 @@ from ...conversion import (
     SplitModulelist,
     SwapDims,
 )
-from ...conversion.rules import as_modelpatch_rule
+from ...conversion.rules import as_modelpatch_rule, original_patterns
 from ..base import Recipe, RuleSpec
 from .discovery import ExpertsFamily, UnsupportedExpertsError, experts_family, experts_model_types, split_builtins
 from .layer import LinearExperts, linear_experts_class
@@ -51,7 +51,7 @@ def _conversion_rules(family: ExpertsFamily) -> list:
         if isinstance(rule, _tcml.PrefixChange):
             continue  # a change of the base-model prefix, which Transformers applies itself
         if type(rule) is _tcml.WeightRenaming:
-            sources, targets = list(rule._original_source_patterns), list(rule._original_target_patterns)
+            sources, targets = original_patterns(rule)
             rules.append(LayoutWeightRenaming(sources, targets, layout=per_expert))
         else:
             rules.append(as_modelpatch_rule(rule))
