@@ -30,7 +30,7 @@ from .errors import ConversionError
 from .plan import build_plan
 from .quantized import QuantizedSaveError, check_reverse_groups, quantized_params, quantizer_label
 from .reference import ReferenceShapes
-from .state import ConversionState, get_state
+from .state import ConversionState, get_state, set_state
 from .streaming import OriginalLayoutIterator, iter_reverted, reversed_user_rules, transformers_conversions
 from .wrappers import unwrapped_names, unwrapped_state_dict, wrapper_bases
 from .zero3 import check_gathered
@@ -188,8 +188,6 @@ def bind_conversion_rules(model) -> bool:
     ``save_pretrained`` writes the original layout even after the block has exited. Only converters whose target
     layout the model has are bound. Models built or loaded inside a block are bound automatically. Returns whether
     any rule was bound."""
-    from .state import set_state
-
     if get_state(model) is not None:
         return True
     resolved = rules_fitting_model(model, resolve_model_rules(model))

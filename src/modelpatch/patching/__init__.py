@@ -3,8 +3,8 @@
 Modules, bottom to top (each imports only those above it in this list, and nothing of
 :mod:`modelpatch.conversion`, :mod:`modelpatch.routing` or :mod:`modelpatch.outputs`):
 
-``registry``      validated patch mappings, key resolution, the process-wide registry
 ``catalog``       which classes may be replaced (``nn.Module`` classes of Transformers' modeling modules)
+``registry``      validated patch mappings, key resolution, the process-wide registry
 ``upstream``      what Transformers itself replaces while it builds a model (the fusions of ``fusion_config``)
 ``interception``  the reference-counted ``__init__`` hook through which an original builds its replacement
 ``provenance``    what modelpatch remembers on the instances it builds (provenance, build record)

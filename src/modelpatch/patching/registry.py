@@ -31,6 +31,7 @@ from transformers import __version__ as transformers_version
 from transformers.utils import logging
 
 from ..errors import ModelpatchError, ModelpatchTypeError, ModelpatchValueError
+from .catalog import CATALOG, known_class_names
 
 logger = logging.get_logger("modelpatch")
 
@@ -253,8 +254,6 @@ def unknown_class_key_message(key: str) -> str | None:
     :meth:`~modelpatch.PatchScope.finish`)."""
     if not key.isidentifier():
         return None
-    from .catalog import CATALOG, known_class_names
-
     known = known_class_names()
     if key in known or CATALOG.classes_named(key):
         return None

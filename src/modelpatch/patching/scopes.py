@@ -25,6 +25,7 @@ from transformers.utils import logging
 
 from ..errors import ModelpatchRuntimeError, ModelpatchTypeError
 from .catalog import CATALOG
+from .conflicts import Conflict, find_conflicts
 from .interception import install_hook, uninstall_hook
 from .keys import Resolution, names_a_known_class, resolve_classes, unmatched_key_hint
 from .provenance import Replacement, build_record, provenance, set_provenance
@@ -34,7 +35,6 @@ from .upstream import in_fusion_discovery
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .conflicts import Conflict
 
 logger = logging.get_logger("modelpatch")
 
@@ -209,8 +209,6 @@ class PatchScope:
 
     def conflicts(self) -> list[Conflict]:
         """Container/inner conflicts among the classes this scope replaced (see :mod:`modelpatch.patching.conflicts`)."""
-        from .conflicts import find_conflicts
-
         return find_conflicts(self.resolved, list(self.replaced_originals), built=self.constructed)
 
     # -- context manager --------------------------------------------------------------------------

@@ -16,14 +16,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..apply.blocks import apply_patches
+from ..apply.model_patch import ModelPatch, patch_model
+from ..conversion import register_checkpoint_conversion_mapping, unregister_checkpoint_conversion_mapping
 from ..errors import ModelpatchTypeError, ModelpatchValueError
+from ..patching.registry import register_patch_mapping, unregister_patch_mapping
 from ..undo import UndoStack
 
 if TYPE_CHECKING:
     import torch.nn as nn
     from transformers.core_model_loading import WeightTransform
 
-    from ..apply.model_patch import ModelPatch
     from ..patching.scopes import PatchScope
 
 __all__ = ["Recipe", "RuleSpec"]
@@ -106,8 +109,6 @@ class Recipe:
             UnmatchedPatchKeyError: ``strict=True`` and a key replaced no module in the block.
             ConversionError: ``strict=True`` and a conversion rule matched no key of a checkpoint loaded in the block.
         """
-        from ..apply.blocks import apply_patches
-
         overwritten = [name for name, spec in self.conversion.items() if spec.overwrite]
         with apply_patches(
             dict(self.patch_mapping),
@@ -124,8 +125,6 @@ class Recipe:
         Returns the :class:`~modelpatch.ModelPatch` (``revert()``, ``report``; a context manager that reverts on
         exit). Raises what :func:`~modelpatch.patch_model` raises; the model is unchanged then.
         """
-        from ..apply.model_patch import patch_model
-
         overwritten = [name for name, spec in self.conversion.items() if spec.overwrite]
         return patch_model(
             model,
@@ -143,9 +142,6 @@ class Recipe:
             ValueError: a key or a conversion name is already registered (nothing of this recipe is left
                 registered then).
         """
-        from ..conversion import register_checkpoint_conversion_mapping, unregister_checkpoint_conversion_mapping
-        from ..patching.registry import register_patch_mapping, unregister_patch_mapping
-
         register_patch_mapping(dict(self.patch_mapping))
         registered = UndoStack()  # undone only if a later registration raises
         registered.callback(unregister_patch_mapping, list(self.patch_mapping))
@@ -159,9 +155,6 @@ class Recipe:
 
     def unregister(self) -> None:
         """Undo :meth:`register` (the built-in conversion rules of each name apply again)."""
-        from ..conversion import unregister_checkpoint_conversion_mapping
-        from ..patching.registry import unregister_patch_mapping
-
         unregister_patch_mapping(list(self.patch_mapping))
         for name in self.conversion:
             unregister_checkpoint_conversion_mapping(name)

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch.nn as nn
 
 from ...conversion import Concatenate, WeightConverter
+from ...integrations.tensor_parallel import PACKED_QKV_COLWISE, QKV_HEADS, TensorParallelError
 from ..base import Recipe, RuleSpec
 
 __all__ = ["AttentionFamily", "FusedQKVAttention", "FUSED_QKV_CLASSES", "fused_qkv_rules", "fused_qkv_recipe"]
@@ -145,8 +146,6 @@ class FusedQKVAttention(nn.Module):
         Raises:
             TensorParallelError: ``tp_size`` does not divide the number of query or of key/value heads.
         """
-        from ...integrations.tensor_parallel import PACKED_QKV_COLWISE, QKV_HEADS, TensorParallelError
-
         heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         if tp_size is not None and (heads % tp_size or kv_heads % tp_size):
             raise TensorParallelError(

@@ -48,6 +48,7 @@ from transformers.activations import ACT2FN
 
 from ...conversion.zero3 import tensor_shape
 from ...errors import ModelpatchValueError
+from ...integrations.tensor_parallel import TensorParallelError
 from .discovery import (
     DEFAULT_FLAGS,
     FLAGS,
@@ -302,8 +303,6 @@ class LinearExperts(nn.ModuleList):
         Raises:
             TensorParallelError: the experts have biases (a row-split ``down`` bias would be added once per rank).
         """
-        from ...integrations.tensor_parallel import TensorParallelError
-
         if self.has_bias:
             raise TensorParallelError(
                 "its experts have biases, which a row-wise split of the down projection would add once per rank"
