@@ -62,7 +62,7 @@ def explain(
         CliError: missing folder / unknown model type / unreadable checkpoint files (a truncated safetensors file, an
             index naming a missing shard).
     """
-    from ..conversion.manual import _resolve
+    from ..conversion.manual import resolve_transforms
     from ..conversion.rules import match_rule
     from ..patching.provenance import provenance
 
@@ -81,7 +81,7 @@ def explain(
     # a class both replaced and fused by Transformers is a conflict: verify's load would refuse it
     fusions = _upstream_fusions(model, fusion_config, findings.conflicts) if fusion_config and model is not None else []
     keys = checkpoint_keys(model_dir) if model_dir is not None and has_weights(model_dir) else None
-    resolved = _resolve(model, None)[0] if model is not None else None
+    resolved = resolve_transforms(model, None)[0] if model is not None else None
     conversion = []
     for rule in resolved.rules if resolved is not None else ():
         matched = None if keys is None else [k for k in keys if match_rule(rule, k) is not None]

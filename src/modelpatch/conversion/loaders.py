@@ -40,8 +40,8 @@ from safetensors import safe_open
 
 from .errors import ConversionError, ConversionShapeError, StateDictLayoutError
 from .loading import model_key
-from .manual import _resolve
-from .plan import _dtype_of, _Group, build_plan, shape_of
+from .manual import resolve_transforms
+from .plan import ConversionGroup, build_plan, dtype_of, shape_of
 from .reference import ReferenceShapes, state_shapes
 from .state import ConversionState, get_state
 
@@ -150,7 +150,7 @@ class StateDictAnalysis:
                     result[names[name]] = tensor
         return result
 
-    def convert_group(self, group: _Group, sources: dict) -> dict[str, torch.Tensor]:
+    def convert_group(self, group: ConversionGroup, sources: dict) -> dict[str, torch.Tensor]:
         """``{model key: tensor}`` of one group of :attr:`converted`, from ``{source key: tensor}`` (consumed)."""
         names = dict(next(outputs for g, outputs in self.converted if g is group))
         with torch.no_grad():
@@ -287,7 +287,7 @@ def _load_rules(model) -> tuple[list, list]:
     """The rules a state dict is converted with: the model's (then Transformers' built-in converters they leave,
     after Transformers' renamings, as :func:`~modelpatch.conversion.load_converted_state_dict`), then those of the
     alternative layouts the model was not loaded from (``ConversionState.also_loads``)."""
-    resolved, renamings = _resolve(model, None)
+    resolved, renamings = resolve_transforms(model, None)
     state = get_state(model)
     others = [r for r in (state.also_loads if state is not None else []) if all(r is not x for x in resolved.rules)]
     return resolved.rules + others, renamings
@@ -335,13 +335,13 @@ def _plan_foreign(analysis: StateDictAnalysis, foreign: list, own: Mapping, base
     analysis.placements = _placements(model, incomplete, own, base, state)
 
 
-def _from_sources(group: _Group) -> str:
+def _from_sources(group: ConversionGroup) -> str:
     """The rule and the original-layout keys of ``group`` with their shapes, for a shape error."""
     sources = ", ".join(_describe(k, o) for items in group.sources.values() for k, o in items)
     return f"{group.rule!r}, from {sources} in the original layout"
 
 
-def _group_target(group: _Group, own: Mapping, base: str) -> str | None:
+def _group_target(group: ConversionGroup, own: Mapping, base: str) -> str | None:
     targets = group.rule.target_patterns
     if len(targets) != 1:
         return None
@@ -457,7 +457,7 @@ def _placements(model, incomplete: list, own: Mapping, base: str, state: Convers
 def original_names(model, state: ConversionState, keys: list[str]) -> dict[str, tuple[str, ...]]:
     """``{model key: original-layout keys}`` for those ``keys`` that the model's rules convert (names only: the
     reverse rules run on ``meta`` tensors). Keys of groups that cannot be reversed alone are left out."""
-    resolved, _ = _resolve(model, None)
+    resolved, _ = resolve_transforms(model, None)
     reversed_rules = [rule.reverse_transform() for rule in resolved.rules]
     own = model.state_dict()
     meta = [(key, torch.empty(own[key].shape, dtype=own[key].dtype, device="meta")) for key in keys if key in own]
@@ -517,7 +517,7 @@ def checkpoint_headers(files: Iterable[str | os.PathLike]) -> dict[str, tuple[st
 
 
 def _meta(part) -> torch.Tensor:
-    return torch.empty(tuple(part.get_shape()), dtype=_dtype_of(part), device="meta")
+    return torch.empty(tuple(part.get_shape()), dtype=dtype_of(part), device="meta")
 
 
 def analyse_checkpoint(model, files: Iterable[str | os.PathLike]) -> tuple[StateDictAnalysis, dict[str, str]]:

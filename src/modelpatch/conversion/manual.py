@@ -16,10 +16,10 @@ from .plan import ConversionRow, LazyConverted, load_tensor, shape_of
 from .rules import as_modelpatch_rule
 from .state import get_state, set_state
 
-__all__ = ["load_converted_state_dict"]
+__all__ = ["load_converted_state_dict", "resolve_transforms", "builtin_transforms"]
 
 
-def _resolve(model, rules) -> tuple[ResolvedRules, list]:
+def resolve_transforms(model, rules) -> tuple[ResolvedRules, list]:
     """The rules to apply and Transformers' own key renamings for ``model`` (applied before the rules)."""
     if isinstance(rules, Mapping):
         raise ModelpatchTypeError(
@@ -38,14 +38,14 @@ def _resolve(model, rules) -> tuple[ResolvedRules, list]:
         resolved = ResolvedRules(list(state.rules), dict(state.owner))
     else:
         resolved = resolve_model_rules(model) or ResolvedRules()
-    converters, renamings = _builtin_transforms(model, resolved)
+    converters, renamings = builtin_transforms(model, resolved)
     for rule in converters:
         resolved.rules.append(rule)
         resolved.owner[id(rule)] = None
     return resolved, renamings
 
 
-def _builtin_transforms(model, user: ResolvedRules) -> tuple[list, list]:
+def builtin_transforms(model, user: ResolvedRules) -> tuple[list, list]:
     """Transformers' own transforms for ``model`` (what ``from_pretrained`` applies) that no user rule replaces:
     converters whose targets exist in the model (e.g. per-expert checkpoint tensors merged into a fused experts
     parameter), as modelpatch rules, and renamings (legacy layouts), as they are."""
@@ -104,7 +104,7 @@ def load_converted_state_dict(model, state_dict_or_path, *, rules=None, strict: 
         Keys, shapes and readability are checked before the first parameter is written: on those errors the
         model is unchanged.
     """
-    resolved, renamings = _resolve(model, rules)
+    resolved, renamings = resolve_transforms(model, rules)
     base_prefix = model.base_model_prefix
     opened_here = not isinstance(state_dict_or_path, dict)
     with open_checkpoint(state_dict_or_path) as items:

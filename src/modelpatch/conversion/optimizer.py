@@ -40,7 +40,7 @@ from ..lazy_imports import pretrained_model_class
 from .compose import ResolvedRules, resolve_model_rules
 from .errors import ConversionError, OptimizerStateError
 from .loading import model_key
-from .manual import _builtin_transforms, _resolve
+from .manual import builtin_transforms, resolve_transforms
 from .plan import build_plan
 from .reference import state_shapes, vanilla_meta_model
 from .saving import iter_original_state_dict, original_layout
@@ -418,12 +418,12 @@ def _move(layouts: _Layouts, side: str, tensors: dict[str, torch.Tensor]) -> dic
     try:
         if side == "model":
             checkpoint = dict(iter_original_state_dict(layouts.model, tensors))
-            rules, renamings = _builtin_transforms(layouts.vanilla, ResolvedRules())
+            rules, renamings = builtin_transforms(layouts.vanilla, ResolvedRules())
             target, shapes = layouts.vanilla, layouts.vanilla_shapes
         else:
             vanilla = layouts.vanilla
             checkpoint = dict(iter_reverted(vanilla, tensors, transformers_conversions(vanilla), None))
-            resolved, renamings = _resolve(layouts.model, None)
+            resolved, renamings = resolve_transforms(layouts.model, None)
             rules, target, shapes = resolved.rules, layouts.model, layouts.model_shapes
         plan = build_plan(list(checkpoint.items()), rules, key_renamings=renamings)
         del checkpoint

@@ -26,7 +26,16 @@ from .pages import release_pages
 from .placement import fill, placed_shape, placement
 from .rules import match_rule
 
-__all__ = ["ConversionRow", "Plan", "build_plan", "LazyConverted", "shape_of", "load_tensor"]
+__all__ = [
+    "ConversionRow",
+    "ConversionGroup",
+    "Plan",
+    "build_plan",
+    "LazyConverted",
+    "shape_of",
+    "dtype_of",
+    "load_tensor",
+]
 
 _ST_DTYPES = {
     "F64": torch.float64,
@@ -76,7 +85,8 @@ def shape_of(obj) -> tuple[int, ...]:
     return tuple(obj.get_shape())
 
 
-def _dtype_of(obj) -> torch.dtype:
+def dtype_of(obj) -> torch.dtype:
+    """The dtype of a tensor, a lazily converted tensor or a safetensors slice (its header's dtype)."""
     if isinstance(obj, (torch.Tensor, LazyConverted)):
         return obj.dtype
     return _ST_DTYPES.get(obj.get_dtype(), torch.float32)
@@ -97,7 +107,9 @@ def load_tensor(obj) -> torch.Tensor:
 
 
 @dataclass
-class _Group:
+class ConversionGroup:
+    """One target key of a load plan: the rule producing it and the source tensors collected for it so far."""
+
     key: str
     rule: Any
     prefix: str
@@ -114,9 +126,9 @@ class _Group:
         return tuple(k for p in order for k, _ in self.sources[p])
 
 
-def _dry_signature(group: _Group, reference_shapes) -> tuple:
+def _dry_signature(group: ConversionGroup, reference_shapes) -> tuple:
     """Everything the output shapes of a group depend on (the rule, source shapes/dtypes, reference sizes)."""
-    sources = tuple((p, tuple((shape_of(o), _dtype_of(o)) for _, o in items)) for p, items in group.sources.items())
+    sources = tuple((p, tuple((shape_of(o), dtype_of(o)) for _, o in items)) for p, items in group.sources.items())
     targets = getattr(group.rule, "target_patterns", ())
     references = tuple(
         reference_shapes.get(group.prefix + t + group.suffix) if reference_shapes is not None else None for t in targets
@@ -124,7 +136,9 @@ def _dry_signature(group: _Group, reference_shapes) -> tuple:
     return (id(group.rule), sources, references)
 
 
-def _run_group(group: _Group, collected: dict, reference_shapes, with_names: bool = True) -> dict[str, torch.Tensor]:
+def _run_group(
+    group: ConversionGroup, collected: dict, reference_shapes, with_names: bool = True
+) -> dict[str, torch.Tensor]:
     """Run the group's rule. Keys are full names, or (``with_names=False``) relative to ``group.prefix/suffix``."""
     rule = group.rule
     if not isinstance(rule, _tcml.WeightConverter):
@@ -188,7 +202,9 @@ class _GroupRunner:
     read, instead of materialising and concatenating them.
     """
 
-    def __init__(self, group: _Group, reference_shapes, release_mapped_sources: bool, fused: tuple | None = None):
+    def __init__(
+        self, group: ConversionGroup, reference_shapes, release_mapped_sources: bool, fused: tuple | None = None
+    ):
         self._group, self._refs, self._release, self._fused = group, reference_shapes, release_mapped_sources, fused
         self._lock = threading.Lock()
         self._outputs: dict | None = None
@@ -214,21 +230,21 @@ class _GroupRunner:
             return self._outputs.pop(name)
 
 
-def _placed_output(group: _Group) -> list | None:
+def _placed_output(group: ConversionGroup) -> list | None:
     """The dry run's ``[(raw key, shape, dtype)]`` of a group whose rule only places its sources of one dtype, computed
     from their shapes (no meta operations); ``None`` for any other group (and where the shapes do not fit)."""
     lengths = {len(items) for items in group.sources.values()}
     if len(lengths) != 1 or list(group.sources) != [p for p in group.rule.source_patterns if p in group.sources]:
         return None
     where = placement(group.rule, len(group.sources), lengths.pop())
-    dtypes = {_dtype_of(o) for items in group.sources.values() for _, o in items}
+    dtypes = {dtype_of(o) for items in group.sources.values() for _, o in items}
     if where is None or len(dtypes) != 1:
         return None
     shape = placed_shape(where, [[shape_of(o) for _, o in items] for items in group.sources.values()])
     return None if shape is None else [(group.rule.target_patterns[0], shape, dtypes.pop())]
 
 
-def _fused_output(group: _Group, outputs: list, cast: dict) -> tuple | None:
+def _fused_output(group: ConversionGroup, outputs: list, cast: dict) -> tuple | None:
     """``fused`` for :class:`_GroupRunner`: ``outputs`` are the group's ``(name, shape, dtype)`` from the dry run;
     ``cast`` the dtype the consumer casts each output to. ``None`` unless the rule only places its sources
     (:func:`~.placement.placement`) and they all have the output's dtype (``torch.cat`` would promote otherwise)."""
@@ -239,7 +255,7 @@ def _fused_output(group: _Group, outputs: list, cast: dict) -> tuple | None:
     if len(lengths) != 1:
         return None
     where = placement(group.rule, len(group.sources), lengths.pop())
-    if where is None or any(_dtype_of(o) != dtype for items in group.sources.values() for _, o in items):
+    if where is None or any(dtype_of(o) != dtype for items in group.sources.values() for _, o in items):
         return None
     target = cast.get(name, dtype)
     if not (dtype.is_floating_point and target.is_floating_point):
@@ -307,7 +323,7 @@ class Plan:
                 name = match.renamed_key
         return name
 
-    def dry_run(self, reference_shapes=None) -> dict[str, tuple[tuple[int, ...], torch.dtype, _Group]]:
+    def dry_run(self, reference_shapes=None) -> dict[str, tuple[tuple[int, ...], torch.dtype, ConversionGroup]]:
         """Run every group on meta tensors. Returns ``{output_name: (shape, dtype, group)}``.
 
         Raises:
@@ -322,7 +338,7 @@ class Plan:
                 placed = _placed_output(group)  # placing only: the shape without the meta ops
                 if placed is None:
                     collected = {
-                        p: [torch.empty(shape_of(o), dtype=_dtype_of(o), device="meta") for _, o in items]
+                        p: [torch.empty(shape_of(o), dtype=dtype_of(o), device="meta") for _, o in items]
                         for p, items in group.sources.items()
                     }
                     raw = _run_group(group, collected, reference_shapes, with_names=False)
@@ -335,7 +351,7 @@ class Plan:
                 out[name] = (shape, dtype, group)
         return out
 
-    def unconvert(self, group: _Group, dry: dict) -> None:
+    def unconvert(self, group: ConversionGroup, dry: dict) -> None:
         """Take ``group`` out of the plan: its sources pass through unconverted under their checkpoint keys (and its
         outputs leave ``dry``)."""
         del self.groups[group.key]
@@ -383,7 +399,7 @@ class Plan:
             result[name] = load_tensor(obj) if materialize_passthrough else obj
         return result
 
-    def convert_group(self, group: _Group, reference_shapes=None, sources: dict | None = None) -> dict:
+    def convert_group(self, group: ConversionGroup, reference_shapes=None, sources: dict | None = None) -> dict:
         """Convert one group now; returns ``{key: tensor}`` (final names) and adds them to ``self.produced``.
 
         ``sources``: ``{source key: tensor}`` to take the group's tensors from (each is removed from it), for a plan
@@ -460,7 +476,7 @@ def build_plan(
             if match is not None:
                 fired.add(id(rule))
                 group = groups.setdefault(
-                    match.renamed_key, _Group(match.renamed_key, rule, match.prefix, match.suffix)
+                    match.renamed_key, ConversionGroup(match.renamed_key, rule, match.prefix, match.suffix)
                 )
                 group.sources[match.source_pattern].append((key, obj))
                 if new_key != key:

@@ -30,7 +30,7 @@ from transformers import core_model_loading as _tcml
 
 from .compose import ResolvedRules
 from .errors import ConversionError
-from .manual import _builtin_transforms
+from .manual import builtin_transforms
 from .plan import build_plan
 from .reference import ReferenceShapes
 from .rules import as_modelpatch_rule
@@ -220,7 +220,7 @@ def transfer_rules(model, user: ResolvedRules | None) -> TransferRules:
             builtins.append(as_modelpatch_rule(transform))
         except TypeError:
             unsupported.append(transform)
-    converters, renamings = _builtin_transforms(model, user)
+    converters, renamings = builtin_transforms(model, user)
     return TransferRules(
         builtins=builtins,
         unsupported=unsupported,
