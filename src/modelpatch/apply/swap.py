@@ -566,6 +566,15 @@ def _meta_attributes(module: nn.Module) -> bool:
     )
 
 
+def _cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters and buffers of ``module``'s tree to ``dtype``, in place."""
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for tensor in table.values():
+                if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor.data = tensor.data.to(dtype)
+
+
 def swap_module(
     model: nn.Module, target: Target, transfer: TransferRules, keep_original: bool, undo: UndoStack
 ) -> Swap:
@@ -584,11 +593,7 @@ def swap_module(
         replacement = _build(target.rule.replacement, original, args, kwargs, _device_of(original))
         dtype = next((t.dtype for t in sources.values() if t.is_floating_point()), None)
         if dtype is not None:
-            for sub in replacement.modules():
-                for table in (sub._parameters, sub._buffers):
-                    for tensor in table.values():
-                        if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                            tensor.data = tensor.data.to(dtype)
+            _cast_floating(replacement, dtype)
     # a tensor no rule changes is handed over as the same object, unless the original keeps its tensors (then only
     # tensors tied outside the module are shared: the tie wins)
     keep_all = keep_original or not target.reversible  # the original keeps its tensors

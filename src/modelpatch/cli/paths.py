@@ -137,27 +137,7 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
             return PathCheck("padding", "FAIL", failed), None
         routed = PathCheck("routing", "FAIL", failed) if moe else PathCheck("routing", "skipped", no_router)
         return PathCheck("padding", "FAIL", failed), routed
-    pads = int((mask == 0).sum())
-    real = mask.bool()
-    if actual.shape != expected.shape:
-        padding = PathCheck("padding", "FAIL", f"output shape {tuple(actual.shape)}, unpatched {tuple(expected.shape)}")
-    else:
-        diff = (actual - expected).abs().amax(dim=-1).nan_to_num(nan=float("inf"))
-        per_token = diff.dim() == 2
-        diff = diff.masked_fill(~real, 0.0) if per_token else diff  # (B, T), or (B,): one output per sequence
-        worst = float(diff.max())
-        what = "logits" if has_logits else "last hidden states"
-        where_ = f"at {int(real.sum())} non-pad positions" if per_token else f"of {diff.shape[0]} sequences"
-        text = f"max abs diff of {what} {where_} {worst:.3g} (atol {atol:g}; {pads} left pad(s))"
-        if worst <= atol:
-            padding = PathCheck("padding", "ok", text, worst)
-        elif per_token:
-            row, token = _first(diff > atol)
-            where = {"row": row, "token": token}
-            padding = PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}, token {token}", worst, where)
-        else:
-            row = _first(diff > atol)[0]
-            padding = PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}", worst, {"row": row})
+    padding = _padding_check(actual, expected, mask, atol, has_logits)
     if not routing:
         return padding, None
     if not moe:
@@ -165,6 +145,29 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
     if record_error is not None:
         return padding, PathCheck("routing", "FAIL", record_error)
     return padding, _routing(expected_routes, actual_routes, mask)
+
+
+def _padding_check(actual, expected, mask, atol: float, has_logits: bool) -> PathCheck:
+    """The patched model's outputs on a left-padded batch against the unpatched model's, at the non-pad positions."""
+    pads = int((mask == 0).sum())
+    real = mask.bool()
+    if actual.shape != expected.shape:
+        return PathCheck("padding", "FAIL", f"output shape {tuple(actual.shape)}, unpatched {tuple(expected.shape)}")
+    diff = (actual - expected).abs().amax(dim=-1).nan_to_num(nan=float("inf"))
+    per_token = diff.dim() == 2
+    diff = diff.masked_fill(~real, 0.0) if per_token else diff  # (B, T), or (B,): one output per sequence
+    worst = float(diff.max())
+    what = "logits" if has_logits else "last hidden states"
+    where_ = f"at {int(real.sum())} non-pad positions" if per_token else f"of {diff.shape[0]} sequences"
+    text = f"max abs diff of {what} {where_} {worst:.3g} (atol {atol:g}; {pads} left pad(s))"
+    if worst <= atol:
+        return PathCheck("padding", "ok", text, worst)
+    if per_token:
+        row, token = _first(diff > atol)
+        where = {"row": row, "token": token}
+        return PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}, token {token}", worst, where)
+    row = _first(diff > atol)[0]
+    return PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}", worst, {"row": row})
 
 
 def _routing(expected, actual, mask) -> PathCheck:

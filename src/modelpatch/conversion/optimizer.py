@@ -122,7 +122,7 @@ def _provenance(iterator) -> dict[str, tuple[tuple[str, ...], bool]]:
     return iterator.sources
 
 
-def _layouts(model) -> _Layouts | None:
+def _layouts(model) -> _Layouts | None:  # noqa: C901 - refusals and the units of both layouts in the order each depends on the last
     """The units of ``model`` and its unpatched class, or ``None`` when the model has no layout of its own."""
     if not isinstance(model, pretrained_model_class()):
         raise ModelpatchTypeError(
@@ -311,7 +311,7 @@ def _copy(value, times: int):
     return value.clone() if isinstance(value, torch.Tensor) and times > 1 else value
 
 
-def _convert(
+def _convert(  # noqa: C901 - one walk over the parameter groups; each branch is one case of a unit's state (moved, split, merged, kept)
     layouts: _Layouts,
     side: str,
     state: dict[str, dict],

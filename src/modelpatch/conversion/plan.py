@@ -497,6 +497,14 @@ def build_plan(
     natural = _tcml.dot_natural_key  # experts.10 after experts.9; only the keys a rule took are sorted
     groups = dict(sorted(groups.items(), key=lambda kv: natural(kv[0])))
     renamed.sort(key=lambda row: natural(row[1]))
+    _check_groups(groups, incomplete)
+    return Plan(groups, passthrough, renamed, fired, reverse, renamings)
+
+
+def _check_groups(groups: dict, incomplete: list | None) -> None:
+    """Sort each group's sources in natural key order and check it is complete (see :func:`build_plan`): a group
+    missing a source or with module lists of different lengths moves to ``incomplete``, or raises without it."""
+    natural = _tcml.dot_natural_key
     for key, group in list(groups.items()):
         patterns = group.rule.source_patterns
         missing = [p for p in patterns if p not in group.sources]
@@ -511,4 +519,3 @@ def build_plan(
         group.sources = {p: sorted(group.sources[p], key=lambda kv: natural(kv[0])) for p in patterns}
         if len(set(lengths.values())) > 1:
             raise ConversionError(f"{group.rule!r}: '{group.key}' has module lists of different lengths {lengths}")
-    return Plan(groups, passthrough, renamed, fired, reverse, renamings)

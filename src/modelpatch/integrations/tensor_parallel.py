@@ -113,7 +113,7 @@ def _describe(path: str, module: nn.Module) -> str:
     return f"{path} ({record.replacement.__name__} replacing {record.original.__name__})"
 
 
-def adapt_tensor_parallel_plan(model, request: dict | None) -> None:
+def adapt_tensor_parallel_plan(model, request: dict | None) -> None:  # noqa: C901 - one pass over the plan's entries; each branch is one request form or one refusal, kept beside its message
     """Swap the entries of ``model._tp_plan`` at and under each replaced module for the replacement's own plan
     (see the module docstring); with tensor parallelism ``request`` ed (:func:`requested_tensor_parallelism`),
     refuse what cannot be sharded exactly and check a user ``tp_plan`` dict. Called after ``post_init`` of every

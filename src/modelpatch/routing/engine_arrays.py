@@ -170,7 +170,7 @@ def split_sequences(routed_experts, attention_mask=None) -> list[torch.Tensor]:
     return [t[b][mask[b]] for b in range(t.shape[0])]
 
 
-def routes_from_engine_arrays(
+def routes_from_engine_arrays(  # noqa: C901 - the accepted input forms (per layer / per token axis, padded or packed) each need their own check
     routed_experts,
     model: nn.Module,
     *,
@@ -272,7 +272,7 @@ def routes_from_engine_arrays(
     )
 
 
-def validate_engine_routes(routes: dict[int, list[torch.Tensor]], num_experts: dict[int, int], *, fix: bool) -> int:
+def validate_engine_routes(routes: dict[int, list[torch.Tensor]], num_experts: dict[int, int], *, fix: bool) -> int:  # noqa: C901 - each branch is one defect of an engine's rows, named in its message
     """Check engine routes ``{layer_idx: [LongTensor (num_tokens, top_k) per sequence]}`` in place.
 
     A row fails when it holds an id ``>= num_experts`` or ``< -1``, repeats an id (``[0, 0]``: a zero-filled row

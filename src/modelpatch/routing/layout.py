@@ -89,7 +89,7 @@ def _past_length(past) -> int:
     return 0
 
 
-def layout_from_call(
+def layout_from_call(  # noqa: C901 - each branch reads one of the forward's optional inputs (ids / embeds, mask, positions, cache)
     module: torch.nn.Module, args: tuple, kwargs: dict, sig=None, *, past: int | None = None
 ) -> ForwardLayout:
     """Layout of the tokens of one call of the decoder-stack owner ``module`` (e.g. ``Qwen3MoeModel``).

@@ -253,7 +253,7 @@ def _count_routers(model: nn.Module, types: set[type]) -> int:
     return count
 
 
-def _discover(model: nn.Module) -> tuple[list[RouterSite], str, int]:
+def _discover(model: nn.Module) -> tuple[list[RouterSite], str, int]:  # noqa: C901 - one walk over the modules; each branch is one kind of router site or one refusal
     sites: list[RouterSite] = []
     stacks: set[str] = set()
     candidates: list[tuple[str, nn.Module, type, int | None, int | None]] = []
