@@ -181,13 +181,15 @@ def register_checkpoint_conversion_mapping(
         cleared.discard(model_type_or_class_name)
 
 
-_hooks_installed = False  # set by :mod:`modelpatch.apply.transformers`, which wraps Transformers' load/save functions
+_HOOKS_INSTALLED = threading.Event()  # set by :mod:`modelpatch.apply.transformers`, which wraps the load/save functions
 
 
 def set_hooks_installed(installed: bool) -> None:
     """Called by :func:`modelpatch.apply.transformers.install` / ``uninstall`` (this module does not import them)."""
-    global _hooks_installed
-    _hooks_installed = installed
+    if installed:
+        _HOOKS_INSTALLED.set()
+    else:
+        _HOOKS_INSTALLED.clear()
 
 
 def require_hooks() -> None:
@@ -196,7 +198,7 @@ def require_hooks() -> None:
     Raises:
         ModelpatchRuntimeError: modelpatch's Transformers integration was uninstalled.
     """
-    if not _hooks_installed:
+    if not _HOOKS_INSTALLED.is_set():
         raise ModelpatchRuntimeError(
             "modelpatch's conversion hooks are not installed (modelpatch.apply.transformers.uninstall() was "
             "called): conversion rules would be ignored; call modelpatch.apply.transformers.install() first"
