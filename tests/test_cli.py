@@ -122,6 +122,46 @@ def test_a_router_that_picks_other_experts_fails_the_routing_check(cache, tmp_pa
     )
 
 
+TOPK_WITHOUT_TORCH_TOPK = """
+import torch
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+class OtherTopKRouter(Qwen2MoeTopKRouter):
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        {choice}
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+PATCH_MAPPING = {{"Qwen2MoeTopKRouter": OtherTopKRouter}}
+"""
+
+
+@pytest.mark.parametrize(
+    "choice, status",
+    [
+        ("top, idx = [t[:, : self.top_k] for t in probs.sort(dim=-1, descending=True)]", "ok"),
+        ("top, idx = torch.topk(-probs, self.top_k, dim=-1, largest=False); top = -top", "ok"),
+        ("top, idx = [t[:, : self.top_k] for t in probs.sort(dim=-1)]", "FAIL"),  # the k *least* likely experts
+    ],
+)
+def test_a_router_without_torch_topk_is_judged_by_the_experts_it_returns(choice, status, cache, tmp_path, capsys):
+    # the record finds no torch.topk in these routers ("saw 0"): a correct one must not fail, a wrong one must
+    patches = tmp_path / "other_topk.py"
+    patches.write_text(TOPK_WITHOUT_TORCH_TOPK.format(choice=choice))
+    code, report = run_json(capsys, ["verify", "--patches", str(patches), "--checks", "routing", "--no-progress"])
+    routing = report["paths"][0]
+    assert routing["status"] == status and code == (0 if status == "ok" else 1), routing
+    assert "expert ids read from the routers' outputs" in routing["detail"]
+    if status == "ok":
+        assert routing["detail"].startswith("the same experts for all 20 tokens x 2 MoE layers")
+    else:
+        assert routing["figure"] == 1.0 and routing["first_divergence"] == {"row": 0, "token": 0, "layer": 0}
+
+
 def test_example_checkpoint_is_deterministic(cache, tmp_path, monkeypatch):
     first = example_checkpoint()
     monkeypatch.setenv("MODELPATCH_CACHE", str(tmp_path))

@@ -13,6 +13,9 @@ different lengths padded at the left), attention mask zero on the pads.
 ``generate``       the greedy tokens of the dynamic-cache run, token for token
 ``routing``        MoE models: the experts each token is routed to, in every MoE layer, on the padded batch
                    (recorded with :func:`modelpatch.routing.record_routing` during the ``padding`` forward), the same
+                   set of experts per token; a patched router the record cannot drive (its top-k not one
+                   ``torch.topk``: ``sort``, ``topk(largest=False)`` of negated scores...) has the expert ids it
+                   returns read from its output instead, and the check is skipped (with why) if it returns none
 
 A failure names the first position where the models diverge (batch row, token index in the batch as fed, layer,
 decode step: ``0`` is the prefill); of a cache divergence and a logits divergence, the earlier step is named. A
@@ -163,8 +166,121 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
     if not moe:
         return padding, PathCheck("routing", "skipped", no_router)
     if record_error is not None:
-        return padding, PathCheck("routing", "FAIL", record_error)
+        return padding, _routing_from_outputs(vanilla, patched, ids, mask, record_error)
     return padding, _routing(expected_routes, actual_routes, mask)
+
+
+_INDEX_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _index_tensors(out, tokens: int, top_k: int, num_experts: int) -> list[torch.Tensor]:
+    """The integer tensors of a router's output (a tensor or a tuple/list of them) that hold ``tokens`` rows of
+    ``top_k`` expert ids in ``[0, num_experts)``: each as ``(tokens, top_k)``."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    found = []
+    for t in outs:
+        if (
+            isinstance(t, torch.Tensor)
+            and t.dtype in _INDEX_DTYPES
+            and t.numel() == tokens * top_k
+            and t.dim() >= 1
+            and t.shape[-1] == top_k
+        ):
+            t = t.reshape(tokens, top_k)
+            if bool(((t >= 0) & (t < num_experts)).all()):
+                found.append(t.long())
+    return found
+
+
+@torch.no_grad()
+def _read_routes(model, sites, ids, mask) -> dict[int, torch.Tensor] | str:
+    """``{layer: (B, T, top_k) expert ids}`` read from the outputs of ``model``'s modules named as the unpatched
+    routers ``sites`` during one forward on ``ids``, or why they cannot be read."""
+    from ..routing.sites import submodule
+
+    tokens = ids.numel()
+    routes: dict[int, torch.Tensor] = {}
+    problems: dict[int, str] = {}
+    handles = []
+
+    def hook_for(site):
+        def hook(module, args, out):
+            found = _index_tensors(out, tokens, site.top_k, site.num_experts)
+            if len(found) != 1:
+                problems[site.layer_idx] = (
+                    f"{site.name} ({type(module).__name__}) returns {len(found)} tensors of {site.top_k} expert ids "
+                    f"per token (expected one)"
+                )
+            elif site.layer_idx in routes:
+                problems[site.layer_idx] = f"{site.name} ({type(module).__name__}) ran more than once in a forward"
+            else:
+                routes[site.layer_idx] = found[0].reshape(*ids.shape, site.top_k)
+
+        return hook
+
+    try:
+        for site in sites:
+            try:
+                module = submodule(model, site.name)
+            except AttributeError:
+                return f"no module {site.name} (the unpatched model's router of layer {site.layer_idx})"
+            handles.append(module.register_forward_hook(hook_for(site)))
+        model(input_ids=ids, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if problems:
+        return problems[min(problems)]
+    missing = [s.name for s in sites if s.layer_idx not in routes]
+    if missing:
+        return f"{missing[0]} did not run in the forward"
+    return routes
+
+
+def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> PathCheck:
+    """The routing check when the patched model's routers cannot be recorded (a router that chooses its experts
+    without one ``torch.topk``, e.g. by ``sort``): the expert ids each router module returns, read from its output,
+    compared with the unpatched router's; skipped with the reason when the patched routers return none."""
+    from ..routing import find_router_sites
+
+    sites = find_router_sites(vanilla)[0]
+    try:
+        expected = _read_routes(vanilla, sites, ids, mask)
+        actual = _read_routes(patched, sites, ids, mask)
+    except Exception as exc:  # noqa: BLE001 - the padding forward of both models ran: a hook cannot make it fail
+        return PathCheck("routing", "FAIL", f"{record_error}; reading the routers' outputs fails: {_error(exc)}")
+    if isinstance(expected, str) or isinstance(actual, str):
+        why = expected if isinstance(expected, str) else actual
+        which = "unpatched" if isinstance(expected, str) else "patched"
+        return PathCheck(
+            "routing",
+            "skipped",
+            f"{record_error}; nor can the expert ids be read from the {which} routers' outputs: {why}",
+        )
+    real = mask.bool()
+    tokens, disagree, first = int(real.sum()), 0, None
+    for layer in sorted(expected):
+        want, got = expected[layer].sort(dim=-1).values, actual[layer].sort(dim=-1).values
+        differs = (want != got).any(dim=-1) & real  # (B, T)
+        disagree += int(differs.sum())
+        if first is None and bool(differs.any()):
+            row, token = _first(differs)
+            first = (row, token, layer, sorted(got[row, token].tolist()), sorted(want[row, token].tolist()))
+    via = "expert ids read from the routers' outputs: the routing record cannot drive the patched routers"
+    if first is None:
+        return PathCheck(
+            "routing", "ok", f"the same experts for all {tokens} tokens x {len(expected)} MoE layers ({via})", 0.0
+        )
+    rate = disagree / (tokens * len(expected))
+    row, token, layer, got_, want_ = first
+    return PathCheck(
+        "routing",
+        "FAIL",
+        f"router disagreement {rate:.3g} over {tokens} tokens x {len(expected)} MoE layers ({via}); first: row {row}, "
+        f"token {token}, layer {layer}: experts {got_}, unpatched {want_}",
+        rate,
+        {"row": row, "token": token, "layer": layer},
+    )
 
 
 def _routing(expected, actual, mask) -> PathCheck:
