@@ -370,12 +370,44 @@ def test_explain_reports_container_conflict_and_unmatched_key(tmp_path, capsys):
     assert report["replaced"][".*Attention"] == {"BertAttention -> FusedQKVBertSelfAttention": 12}
     assert report["unmatched_keys"] == ["BertAtention"]
     assert report["problems"]["patches"] == [
-        "keys that replaced nothing: ['BertAtention']",
+        f"keys that replaced nothing: ['BertAtention']; 'BertAtention': no module class of Transformers "
+        f"{transformers.__version__} is named so; did you mean 'BertAttention'?",
         "2 container/inner conflict(s)",
     ]
     assert len(report["conflicts"]) == 2
     assert all("container BertAttention" in c for c in report["conflicts"])
     assert any("BertSelfAttention" in c for c in report["conflicts"])
+
+
+@pytest.mark.parametrize("command", ["explain", "verify"])
+def test_a_key_far_from_any_class_is_named_with_the_closest_classes(command, tmp_path, capsys):
+    # 'LlamaAttn' and 'FooBar' are far from any class: the CLI said only "replaced nothing", with no "did you mean"
+    patches = tmp_path / "far.py"
+    patches.write_text(
+        "from transformers.models.llama.modeling_llama import LlamaMLP\n"
+        "class MyMLP(LlamaMLP):\n    pass\n"
+        "PATCH_MAPPING = {'LlamaAttn': MyMLP, 'FooBar': MyMLP, 'LlamaMLP': MyMLP}\n"
+    )
+    where = ["--model-type", "llama"] if command == "explain" else ["--model", str(tmp_path / "llama")]
+    if command == "verify":
+        from transformers import LlamaForCausalLM
+
+        from helpers import save_tiny, tiny_llama_config
+
+        save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path / "llama")
+        where += ["--checks", "padding", "--no-progress"]
+    code, report = run_json(capsys, [command, *where, "--patches", str(patches)])
+    words = (
+        f"keys that replaced nothing: ['LlamaAttn', 'FooBar']; 'LlamaAttn': no module class of Transformers "
+        f"{transformers.__version__} is named so; did you mean 'LlamaAttention'?; 'FooBar': no module class of "
+        f"Transformers {transformers.__version__} is named so"
+    )
+    assert code == 1
+    if command == "explain":
+        assert report["problems"]["patches"] == [words]
+    else:
+        check = next(c for c in report["checks"] if c["name"] == "patches")
+        assert check["detail"] == f"2 module(s) replaced; {words}" and check["ok"] is False
 
 
 def test_convert_forward_then_reverse_is_bit_exact(tmp_path, capsys):

@@ -79,7 +79,11 @@ def explain(
             name = f"{found.original.__name__} -> {found.replacement.__name__}"
             classes[name] = classes.get(name, 0) + 1
     # a class both replaced and fused by Transformers is a conflict: verify's load would refuse it
-    fusions = _upstream_fusions(model, fusion_config, findings.conflicts) if fusion_config and model is not None else []
+    fusions = (
+        _upstream_fusions(model, fusion_config, findings.fusion_conflicts)
+        if fusion_config and model is not None
+        else []
+    )
     keys = checkpoint_keys(model_dir) if model_dir is not None and has_weights(model_dir) else None
     resolved = _resolve(model, None)[0] if model is not None else None
     conversion = []
@@ -94,7 +98,7 @@ def explain(
         "recipe": recipe.name,
         "replaced": replaced,
         "unmatched_keys": findings.unmatched_keys,
-        "conflicts": findings.conflicts,
+        "conflicts": findings.conflicts + findings.fusion_conflicts,
         "conversion_rules": conversion,
         "problems": problems,
         "mismatched_keys": [

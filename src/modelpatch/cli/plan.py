@@ -4,7 +4,8 @@
 the checkpoint's safetensors headers are matched against it, through its conversion rules (the same analysis
 ``load_state_dict`` runs before writing a parameter, :func:`modelpatch.conversion.loaders.analyse_state_dict`):
 
-* **patches**: keys of the patch mapping that replaced nothing, container/inner conflicts;
+* **patches**: keys of the patch mapping that replaced nothing (with the closest class names for a key that names no
+  class), container/inner conflicts, classes both replaced and fused by Transformers (fusion conflicts);
 * **loading**: parameters of the patched model no checkpoint key fills (``missing_keys``: a replacement's own
   parameters are left at their initial values), checkpoint keys it does not take (``unexpected_keys``), keys whose
   shape the checkpoint cannot fill (``mismatched_keys``, naming both shapes), rules that can match no checkpoint key.
@@ -25,7 +26,15 @@ import torch
 from .checkpoint import model_class, remote_code_kwargs
 from .errors import CliError
 
-__all__ = ["Findings", "problem_words", "static_findings", "build_on_meta", "unfired_rules", "rule_text"]
+__all__ = [
+    "Findings",
+    "problem_words",
+    "unmatched_key_hints",
+    "static_findings",
+    "build_on_meta",
+    "unfired_rules",
+    "rule_text",
+]
 
 
 @dataclass
@@ -35,6 +44,8 @@ class Findings:
     Attributes:
         unmatched_keys: keys of the patch mapping that replaced nothing.
         conflicts: container/inner conflict messages.
+        fusion_conflicts: messages of classes both replaced by the patch and fused by Transformers (``explain
+            --fusion``, or a ``fusion_config`` in the checkpoint's config): a load with that fusion refuses them.
         missing: model keys (of the patched model) no checkpoint key fills and the unpatched model's do.
         unexpected: checkpoint keys the patched model does not take and the unpatched model does.
         mismatched: ``(key, checkpoint shape, patched model shape)``: the checkpoint cannot fill the key (for a
@@ -47,6 +58,7 @@ class Findings:
 
     unmatched_keys: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    fusion_conflicts: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
@@ -69,9 +81,16 @@ def problem_words(findings: Findings) -> dict[str, list[str]]:
     if findings.replaced == 0:
         patches.append("0 module(s) replaced")
     if findings.unmatched_keys:
-        patches.append(f"keys that replaced nothing: {findings.unmatched_keys}")
+        patches.append(
+            f"keys that replaced nothing: {findings.unmatched_keys}{unmatched_key_hints(findings.unmatched_keys)}"
+        )
     if findings.conflicts:
         patches.append(f"{len(findings.conflicts)} container/inner conflict(s)")
+    if findings.fusion_conflicts:
+        patches.append(
+            f"{len(findings.fusion_conflicts)} fusion conflict(s) (a class replaced by the patch and fused by "
+            "Transformers)"
+        )
     loading = []
     if findings.mismatched:
         shown = [
@@ -88,6 +107,15 @@ def problem_words(findings: Findings) -> dict[str, list[str]]:
     if findings.load_error:
         loading.append(f"the patched load fails: {findings.load_error}")
     return {"patches": patches, "loading": loading}
+
+
+def unmatched_key_hints(keys: list[str]) -> str:
+    """``"; 'LlamaAttn': no module class of Transformers 5.23.0 is named so; did you mean 'LlamaAttention'?"`` for
+    each of ``keys`` (patch keys that replaced nothing) that names or matches no module class Transformers (or loaded
+    remote code) has; ``""`` when every key names a class that exists (of another family: not applicable here)."""
+    from ..patching.registry import unknown_key_hint
+
+    return "".join(f"; {key!r}: {hint}" for key in keys if (hint := unknown_key_hint(key)))
 
 
 def build_on_meta(config):
