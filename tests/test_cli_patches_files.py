@@ -364,7 +364,7 @@ def test_attention_that_mishandles_the_kv_cache_fails_the_cache_check(name, llam
     assert dynamic["status"] == static["status"] == "FAIL" and not checks["cache (dynamic)"]["ok"]
     if name == "ignores past_key_values":
         # the dynamic cache holds the tokens fed (the last new token is not)
-        assert dynamic["detail"] == "prefill: layer 0 keys not cached, unpatched (2, 2, 13, 16)"
+        assert dynamic["detail"] == "prefill: layer 0 keys not cached, unpatched (2, 2, 12, 16)"
         assert dynamic["first_divergence"] == {"layer": 0, "step": 0}
         # a static cache never written: the decode step's mask (the whole cache) does not fit its keys
         assert static["detail"].startswith("the patched model's generate fails with a static cache: RuntimeError: ")
@@ -374,6 +374,67 @@ def test_attention_that_mishandles_the_kv_cache_fails_the_cache_check(name, llam
             assert cache["detail"].endswith("; first: row 0, token 1, layer 0")
             assert cache["first_divergence"] == {"row": 0, "token": 1, "layer": 0, "step": 0}
             assert cache["figure"] > 0.01
+
+
+def test_a_cache_corrupted_by_a_decode_step_is_blamed_on_that_step(llama, tmp_path, capsys):
+    """A decode step that overwrites the prompt's first cached keys: the cache compared after decoding was labelled
+    "prefill" (its position is a prompt token), though the prefill's cache was right. Each step's cache is compared
+    as that step left it."""
+    patches = write(
+        tmp_path / "decode_corrupts.py",
+        """
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class DecodeCorrupts(LlamaAttention):
+            def forward(self, hidden_states, *args, **kwargs):
+                out = super().forward(hidden_states, *args, **kwargs)
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))  # the name of Transformers >= 5.24, 5.23
+                if hidden_states.shape[1] == 1 and self.layer_idx == 1:
+                    cache.layers[1].keys[:, :, :4] += 1.0  # after the step's attention: its logits are exact
+                return out
+
+        PATCH_MAPPING = {"LlamaAttention": DecodeCorrupts}
+        """,
+    )
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "cache"]
+    code, report = run_json(capsys, [*argv, "--new-tokens", "2"])
+    assert code == 1
+    for cache in report["paths"]:
+        assert cache["detail"].startswith("decode step 1: layer 1 keys differ by "), cache
+        assert cache["first_divergence"] == {"row": 0, "token": 0, "layer": 1, "step": 1}
+
+
+@pytest.mark.slow
+def test_a_hybrid_models_linear_attention_state_is_compared_and_named(tmp_path, capsys):
+    """Qwen3-Next (linear attention, then attention): a patch whose linear attention caches a wrong conv state
+    (its own output right) was blamed on the next attention layer's keys at decode step 1; every state the cache
+    holds is compared now, and the first diverging one is named: layer 0's conv state, written by the prefill."""
+    from routing_models import tiny_model
+
+    tiny_model("qwen3_next").save_pretrained(tmp_path / "qwen3_next")
+    patches = write(
+        tmp_path / "bad_conv_state.py",
+        """
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+        class BadConvState(Qwen3NextGatedDeltaNet):
+            def forward(self, hidden_states, cache_params=None, **kwargs):
+                out = super().forward(hidden_states, cache_params=cache_params, **kwargs)
+                if cache_params is not None and hidden_states.shape[1] > 1:
+                    cache = cache_params
+                    cache.layers[self.layer_idx].conv_states[0].mul_(1.5)
+                return out
+
+        PATCH_MAPPING = {"Qwen3NextGatedDeltaNet": BadConvState}
+        """,
+    )
+    argv = ["verify", "--model", str(tmp_path / "qwen3_next"), "--patches", patches, "--no-progress"]
+    capsys.readouterr()  # what the save printed (DeepSpeed logs to stdout when a save first imports it)
+    code, report = run_json(capsys, [*argv, "--checks", "cache", "--new-tokens", "2"])
+    assert code == 1
+    dynamic = {p["name"]: p for p in report["paths"]}["cache (dynamic)"]
+    assert dynamic["detail"].startswith("prefill: layer 0 conv_states[0] differ by "), dynamic
+    assert dynamic["first_divergence"] == {"row": 0, "layer": 0, "step": 0}
 
 
 def test_attention_that_raises_on_decode_steps_fails_not_crashes(llama, tmp_path, capsys):
