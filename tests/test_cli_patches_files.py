@@ -668,6 +668,9 @@ def test_explain_fails_what_verify_fails_in_the_same_words(case, llama, tmp_path
         assert plan["mismatched_keys"][0] == {
             "key": "model.layers.0.self_attn.o_proj.weight", "checkpoint_shape": [64, 64], "model_shape": [72, 64]
         }  # fmt: skip
+        # the JSON's "loading" carries the failure (it was {}): the key and both shapes
+        assert report["loading"]["failed"] is True and report["loading"]["mismatched_keys"] == plan["mismatched_keys"]
+        assert report["loading"]["error"].startswith("RuntimeError: ")  # Transformers' own words
         skipped = {name: c["detail"] for name, c in checks.items() if c["status"] == "skipped"}
         assert skipped == dict.fromkeys(["provenance", "outputs", "round trip"], "the patched load failed")
     assert get_patch_mapping() == {} and user_conversion_names() == set()

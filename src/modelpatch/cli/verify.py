@@ -14,7 +14,8 @@ Checks (each one line in the summary; any failure → exit status 1):
 A patched load that raises fails the ``loading`` check (exit status 1, not a usage error): it names what the
 checkpoint's headers show (a key whose shape the checkpoint cannot fill, both shapes; :mod:`.plan`), else the
 loader's message, and the checks that need the patched model are skipped. The ``patches`` and ``loading`` details
-are worded by :func:`.plan.problem_words`, as ``explain`` words the same findings.
+are worded by :func:`.plan.problem_words`, as ``explain`` words the same findings; the ``--json`` document's
+``loading`` then holds ``failed: true``, the loader's ``error`` and the ``mismatched_keys`` (key, both shapes).
 
 With ``--quantization NAME`` (see :mod:`.quantize`) two more: ``quantized`` (every expert Linear quantized, no fused
 experts parameter left in full precision, outputs within the quantizer's usual error of the full-precision patched
@@ -442,6 +443,16 @@ def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, e
     if not findings.mismatched and findings.load_error is None:
         findings.load_error = _first_line(exc)
     result.load_failure = findings
+    # the --json document's "loading" names the failure as the checks do: the key and both shapes, or the message
+    result.loading = {
+        "failed": True,
+        "error": _first_line(exc),
+        "missing_keys": findings.missing,
+        "unexpected_keys": findings.unexpected,
+        "mismatched_keys": [
+            {"key": key, "checkpoint_shape": list(ck), "model_shape": list(own)} for key, ck, own in findings.mismatched
+        ],
+    }
     report = patch_report(meta) if meta is not None else None
     result.patch = report.as_dict() if report is not None else {}
     result.patch.pop("conversion", None)
