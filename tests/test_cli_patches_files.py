@@ -694,6 +694,38 @@ def test_explain_lists_the_rules_of_a_sub_model(llama, tmp_path, capsys):
     assert rule["registered_as"] == "LlamaModel" and len(rule["checkpoint_keys"]) == 12  # q/k/v x weight/bias x 2
 
 
+WRONG_MODEL_TYPE = """
+from modelpatch.conversion import Concatenate, WeightConverter
+from modelpatch.recipes.attention import FusedQKVLlamaAttention
+PATCH_MAPPING = {"LlamaAttention": FusedQKVLlamaAttention}
+CONVERSION_RULES = {"mistral": [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"],
+                                                operations=[Concatenate(dim=0)])]}
+"""
+OTHER_TYPE = (
+    "conversion rules are registered for 'mistral' and none for the checkpoint's model type 'llama': they never "
+    "apply to it (register them under 'llama')"
+)
+
+
+@pytest.mark.parametrize("command", ["explain", "verify", "convert"])
+def test_rules_registered_for_another_model_type_are_named(command, llama, tmp_path, capsys):
+    """Rules registered under a real but wrong model type ('mistral' for a llama checkpoint) never apply: every
+    command said only what followed (missing/unexpected keys, 'no conversion rules in effect'), naming neither."""
+    patches = write(tmp_path / "wrong_model_type.py", WRONG_MODEL_TYPE)
+    if command == "convert":
+        assert one_line_error(capsys, ["convert", llama, str(tmp_path / "out"), "--patches", patches]).endswith(
+            f"; {OTHER_TYPE}"
+        )
+        return
+    argv = [command, "--model", llama, "--patches", patches]
+    code, report = run_json(capsys, argv + (["--no-progress", "--checks", "none"] if command == "verify" else []))
+    assert code == 1 and report["rules_of_other_model_types"] == OTHER_TYPE
+    if command == "explain":
+        assert report["problems"]["loading"][-1] == OTHER_TYPE
+    else:
+        assert {c["name"]: c for c in report["checks"]}["loading"]["detail"].endswith(f"; {OTHER_TYPE}")
+
+
 # -- defect: tracebacks instead of one-line errors ------------------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ def main(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
 
     from ..conversion import ConversionError, convert_checkpoint
+    from .plan import other_type_rules
 
     if not os.path.exists(args.src):
         raise CliError(f"source '{args.src}' does not exist")
@@ -60,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
         with recipe.apply():
             rows = convert_checkpoint(args.src, args.dst, model_type, reverse=args.reverse)
     except ConversionError as exc:
-        raise CliError(str(exc).splitlines()[0]) from None
+        other = other_type_rules(recipe, {model_type})
+        raise CliError(str(exc).splitlines()[0] + (f"; {other}" if other else "")) from None
     except (OSError, ValueError, SafetensorError) as exc:  # unwritable DST, truncated file, broken index.json
         raise CliError(
             f"cannot convert {args.src} -> {args.dst}: {type(exc).__name__}: {str(exc).splitlines()[0]}"

@@ -107,6 +107,7 @@ def explain(
         "missing_keys": findings.missing,
         "unexpected_keys": findings.unexpected,
         "rules_that_matched_nothing": findings.unfired,
+        "rules_of_other_model_types": findings.other_types,
         "parameters_on_meta": sum(p.numel() for p in model.parameters()) if model is not None else 0,
         # what Transformers itself would replace in a load with fusion_config (given, or in the config)
         "upstream_fusions": fusions,

@@ -51,6 +51,8 @@ class Findings:
         mismatched: ``(key, checkpoint shape, patched model shape)``: the checkpoint cannot fill the key (for a
             converted key, the checkpoint shape is the one the rule's operations produce).
         unfired: rules (as the conversion report names them) that matched no checkpoint key.
+        other_types: the recipe's rules are all registered under names that are not the checkpoint's (another
+            model type, e.g. ``mistral`` for a ``llama`` checkpoint): the message naming both (:func:`other_type_rules`).
         load_error: the loader's own message when a load failed for a reason none of the above names.
         replaced: modules the patch replaced (``None``: not counted here; ``verify`` states the count itself).
         build_error: why the patched model cannot be built at all (an exception of a replacement's ``__init__``).
@@ -63,6 +65,7 @@ class Findings:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     unfired: list[str] = field(default_factory=list)
+    other_types: str | None = None
     load_error: str | None = None
     replaced: int | None = None
     build_error: str | None = None
@@ -104,6 +107,8 @@ def problem_words(findings: Findings) -> dict[str, list[str]]:
         loading.append(f"unexpected_keys: {_few(findings.unexpected)}")
     if findings.unfired:
         loading.append(f"rules that matched no checkpoint key: {_few(findings.unfired)}")
+    if findings.other_types:
+        loading.append(findings.other_types)
     if findings.load_error:
         loading.append(f"the patched load fails: {findings.load_error}")
     return {"patches": patches, "loading": loading}
@@ -116,6 +121,32 @@ def unmatched_key_hints(keys: list[str]) -> str:
     from ..patching.registry import unknown_key_hint
 
     return "".join(f"; {key!r}: {hint}" for key in keys if (hint := unknown_key_hint(key)))
+
+
+def model_names(model) -> set[str]:
+    """The registry names rules for ``model`` may be registered under: the class name and ``model_type`` of it and
+    each of its sub-models (what :func:`unfired_rules` counts too)."""
+    from transformers import PreTrainedModel
+
+    names = set()
+    for module in model.modules() if model is not None else ():
+        if isinstance(module, PreTrainedModel):
+            names |= {type(module).__name__, getattr(module.config, "model_type", None)}
+    return names - {None, ""}
+
+
+def other_type_rules(recipe, names: set[str]) -> str | None:
+    """When ``recipe`` has conversion rules but none registered under a name of the checkpoint (``names``: its model
+    type, architectures, sub-models' types, from :func:`.sources.config_names`), the words naming both: rules
+    registered for ``mistral`` never apply to a ``llama`` checkpoint. ``None`` otherwise."""
+    groups = [name for name, rules in recipe.build_conversion_rules().items() if rules]
+    if not groups or names & set(groups):
+        return None
+    types = sorted(n for n in names if not n[:1].isupper()) or sorted(names)
+    return (
+        f"conversion rules are registered for {', '.join(map(repr, groups))} and none for the checkpoint's model "
+        f"type {', '.join(map(repr, types))}: they never apply to it (register them under {types[0]!r})"
+    )
 
 
 def build_on_meta(config):
@@ -223,8 +254,11 @@ def static_findings(recipe, config, model_dir: str | None = None) -> tuple[Any, 
     except Exception as exc:  # noqa: BLE001 - a replacement that cannot be built is a finding, not a crash
         text = str(exc).strip().splitlines()
         return None, Findings(build_error=f"{type(exc).__name__}: {text[0] if text else ''}")
+    from .sources import config_names
+
     report = patch_report(model)
     findings = Findings(list(report.unmatched_keys), [c.message() for c in report.conflicts], replaced=len(report.rows))
+    findings.other_types = other_type_rules(recipe, config_names(config) | model_names(model))
     if model_dir is None or not has_weights(model_dir):
         return model, findings
     checkpoint_keys(model_dir)  # unreadable files are a one-line error

@@ -60,7 +60,7 @@ from .checkpoint import (
 from .errors import EXIT_FAILED_CHECK, CliError
 from .inputs import model_inputs, model_output
 from .paths import DEFAULT_NEW_TOKENS, PATH_CHECKS, PathCheck, run_path_checks
-from .plan import Findings, problem_words, static_findings, unfired_rules
+from .plan import Findings, model_names, other_type_rules, problem_words, static_findings, unfired_rules
 from .provenance import ParamSource, first_difference, parameter_provenance
 from .quantize import QUANTIZATIONS, QuantizedResult, quantization_config, run_quantized
 from .render import emit, plain, section, strict_json, table
@@ -119,6 +119,7 @@ class VerifyResult:
     load_seconds: dict = field(default_factory=dict)
     round_trip: str | None = "not run"
     unfired_rules: list = field(default_factory=list)
+    other_type_rules: str | None = None
     quantization: QuantizedResult | None = None
     training: TrainResult | None = None
     paths: list[PathCheck] = field(default_factory=list)
@@ -144,6 +145,7 @@ class VerifyResult:
             "patch_report": self.patch,
             "conversion_report": self.conversion,
             "rules_that_matched_nothing": self.unfired_rules,
+            "rules_of_other_model_types": self.other_type_rules,
             "loading": self.loading,
             "provenance": [p.as_dict() for p in self.provenance],
             "output": {"kind": self.output_kind, "max_abs_diff": self.max_abs_diff, "atol": self.atol},
@@ -317,6 +319,7 @@ def run_verify(
         steps.update()
 
         result.unfired_rules = unfired_rules(recipe, patched, {r.rule for r in rows if r.direction == "load"})
+        result.other_type_rules = other_type_rules(recipe, config_names(config) | model_names(patched))
         if result.save_error is None:
             steps.set_postfix_str("provenance")
             result.provenance = parameter_provenance(
@@ -457,6 +460,7 @@ def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, e
     result.patch = report.as_dict() if report is not None else {}
     result.patch.pop("conversion", None)
     result.unfired_rules = findings.unfired
+    result.other_type_rules = findings.other_types
     findings.replaced = None  # the patches check states the count itself
     words = problem_words(findings)
     why = "the patched load failed"
@@ -489,6 +493,7 @@ def _checks(result: VerifyResult, report) -> list[Check]:
         missing=loading.get("missing_keys") or [],
         unexpected=loading.get("unexpected_keys") or [],
         unfired=result.unfired_rules,
+        other_types=result.other_type_rules,
     )
     words = problem_words(findings)
     # Transformers' own mismatched-key entries (a load with ignore_mismatched_sizes): named as it names them
@@ -651,6 +656,8 @@ def render(result: VerifyResult) -> str:
     rules = sorted({r["rule"] for r in result.conversion})
     out += [f"  rule: {rule}" for rule in rules]
     out += [f"  rule that matched no checkpoint key: {rule}" for rule in result.unfired_rules]
+    if result.other_type_rules:
+        out.append(f"  {result.other_type_rules}")
     counts: dict[str, int] = {}
     for p in result.provenance:
         counts[p.status] = counts.get(p.status, 0) + 1
