@@ -284,6 +284,15 @@ def test_recipes_lists_no_recipe_the_support_table_measured_inexact(capsys):
             ["explain", "--model-type", "no_such_type", "--recipe", "bert-fused-qkv"],
             "unknown model type 'no_such_type'",
         ),
+        # a misspelled model type gets the closest known ones, in every subcommand taking --model-type
+        (
+            ["explain", "--model-type", "lama", "--recipe", "llama-fused-qkv"],
+            "unknown model type 'lama': did you mean 'llama' or 'mllama' or 'llama4'?",
+        ),
+        (
+            ["convert", MINILM_DIR, "{out}", "--model-type", "lama", "--recipe", "bert-fused-qkv"],
+            "unknown model type 'lama': did you mean 'llama' or 'mllama' or 'llama4'?",
+        ),
         (["explain", "--model-type", "bert", "--patches", "{invalid}"], "invalid patches: "),
         (
             ["explain", "--model-type", "laguna", "--recipe", "laguna-linear-experts"],
@@ -298,7 +307,7 @@ def test_one_line_errors(argv, message, tmp_path, capsys):
     invalid, empty = tmp_path / "invalid.py", tmp_path / "empty.py"
     invalid.write_text("PATCH_MAPPING = {'BertSelfAttention': 42}\n")  # not an nn.Module subclass
     empty.write_text("X = 1\n")
-    files = {"{raising}": raising, "{invalid}": invalid, "{empty}": empty}
+    files = {"{raising}": raising, "{invalid}": invalid, "{empty}": empty, "{out}": tmp_path / "out"}
     argv = [str(files.get(a, a)) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -14,7 +14,7 @@ import os
 from .checkpoint import add_trust_remote_code
 from .errors import CliError
 from .render import emit, plain, table
-from .sources import check_recipe_fits, resolve_patches
+from .sources import check_model_type, check_recipe_fits, resolve_patches
 
 __all__ = ["add_parser", "main"]
 
@@ -56,6 +56,8 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"source '{args.src}' does not exist")
     recipe = resolve_patches(args.recipe, args.patches)
     model_type = _model_type(args.src, args.model_type)
+    if args.model_type and not args.model_type[:1].isupper():  # a class name is a registry name too
+        check_model_type(args.model_type, set(recipe.build_conversion_rules()))
     check_recipe_fits(recipe, {model_type}, f"'{args.src}'" + (" (--model-type)" if args.model_type else ""))
     try:
         with recipe.apply():

@@ -21,7 +21,7 @@ from .checkpoint import add_trust_remote_code, checkpoint_keys, model_class, rea
 from .errors import EXIT_FAILED_CHECK, CliError
 from .plan import has_weights, problem_words, rule_text, static_findings
 from .render import emit, plain, section, strict_json, table
-from .sources import check_recipe_fits, config_names, resolve_patches
+from .sources import check_model_type, check_recipe_fits, config_names, resolve_patches
 
 __all__ = ["add_parser", "main", "explain"]
 
@@ -37,6 +37,7 @@ def _config(model_dir: str | None, model_type: str | None):
         return read_config(model_dir)
     if model_type is None:
         raise CliError("give --model DIR or --model-type TYPE")
+    check_model_type(model_type)
     try:
         return AutoConfig.for_model(model_type)
     except ValueError:
