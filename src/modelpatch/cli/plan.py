@@ -128,11 +128,14 @@ def model_names(model) -> set[str]:
     each of its sub-models (what :func:`unfired_rules` counts too)."""
     from transformers import PreTrainedModel
 
-    names = set()
+    names: set[str] = set()
     for module in model.modules() if model is not None else ():
         if isinstance(module, PreTrainedModel):
-            names |= {type(module).__name__, getattr(module.config, "model_type", None)}
-    return names - {None, ""}
+            names.add(type(module).__name__)
+            model_type = getattr(module.config, "model_type", None)
+            if isinstance(model_type, str) and model_type:
+                names.add(model_type)
+    return names
 
 
 def other_type_rules(recipe, names: set[str]) -> str | None:
