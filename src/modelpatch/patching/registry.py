@@ -273,13 +273,21 @@ def _names_no_known_class(key: str) -> bool:
     (imported or not) nor of loaded remote code."""
     from .catalog import CATALOG, known_class_names
 
-    if key.isidentifier():
-        return key not in known_class_names() and not CATALOG.classes_named(key)
-    try:
-        pattern = re.compile(key)
-    except re.error:
+    def unknown() -> bool:
+        if key.isidentifier():
+            return key not in known_class_names() and not CATALOG.classes_named(key)
+        try:
+            pattern = re.compile(key)
+        except re.error:
+            return False
+        return not any(pattern.search(name) for name in (*CATALOG.names(), *known_class_names()))
+
+    if not unknown():
         return False
-    return not any(pattern.search(name) for name in (*CATALOG.names(), *known_class_names()))
+    from .scopes import refresh_catalog  # remote code imported since the catalogue's last look (scopes import us)
+
+    refresh_catalog()
+    return unknown()
 
 
 def unknown_key_hint(key: str) -> str:
