@@ -404,7 +404,6 @@ def test_a_cache_corrupted_by_a_decode_step_is_blamed_on_that_step(llama, tmp_pa
         assert cache["first_divergence"] == {"row": 0, "token": 0, "layer": 1, "step": 1}
 
 
-@pytest.mark.slow
 def test_a_hybrid_models_linear_attention_state_is_compared_and_named(tmp_path, capsys):
     """Qwen3-Next (linear attention, then attention): a patch whose linear attention caches a wrong conv state
     (its own output right) was blamed on the next attention layer's keys at decode step 1; every state the cache
