@@ -56,25 +56,11 @@ def ds_config() -> dict:
 
 def training_arguments(output_dir: str, **kwargs):
     """``TrainingArguments`` with ZeRO-3 switched on (this is what makes ``from_pretrained`` build under
-    ``deepspeed.zero.Init``).
+    ``deepspeed.zero.Init``), after tests/helpers.py's accelerate workaround for a machine without a GPU."""
+    import helpers
 
-    The accelerate workaround: accelerate 1.15 and 1.16 on a machine without a GPU report a world size of 1 under
-    DeepSpeed (``AcceleratorState`` falls back to its CPU branch, so the Trainer's ``train_batch_size`` check fails
-    against DeepSpeed's own count of 2). Building the distributed ``PartialState`` with gloo first, with
-    ``ACCELERATE_USE_DEEPSPEED=true``, and telling the Trainer to use that configured state works around it."""
-    from accelerate import PartialState
-    from transformers import TrainingArguments
-
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
-    return TrainingArguments(
-        output_dir=output_dir,
-        deepspeed=ds_config(),
-        accelerator_config={"use_configured_state": True},
-        report_to=[],
-        disable_tqdm=True,
-        **kwargs,
-    )
+    helpers.accelerate_state_without_gpu("deepspeed")
+    return helpers.distributed_training_arguments(output_dir, deepspeed=ds_config(), **kwargs)
 
 
 USER_CASES = ("none", "user-qkv-rule", "qkv-without-rule")
@@ -197,38 +183,23 @@ def phase_load(paths: dict, out: str, name: str, recipe: str, args) -> None:
 
 
 def phase_train(paths: dict, out: str, name: str, recipe: str, args, resume: bool = False) -> None:
-    from transformers import Trainer, TrainerCallback
+    import deepspeed
 
+    import helpers
     from modelpatch import iter_original_state_dict
 
-    class InOrder(Trainer):  # rows in order: step s is rows 2s (rank 0) and 2s+1 (rank 1), as one process's batch
-        def _get_train_sampler(self, train_dataset=None):
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    class Steps(TrainerCallback):
-        def __init__(self) -> None:
-            self.started_at, self.run = None, 0
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.started_at = state.global_step
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.run += 1
-
     model = load(paths[name], recipe).train()
-    steps = Steps()
-    trainer = InOrder(model=model, args=args, train_dataset=Tokens(), callbacks=[steps])
+    steps = helpers.StepCounter()
+    trainer = helpers.in_order_trainer(model, args, Tokens(), callbacks=[steps])
     trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-1") if resume else None)
     kind = "resume" if resume else "train"
     if not resume:
         trainer.save_model(os.path.join(out, f"train-{name}-{recipe}"))
-    import deepspeed
-
     engine = trainer.model_wrapped
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         weights = {k: v.detach().float().clone() for k, v in iter_original_state_dict(engine.module)}
     if dist.get_rank() == 0:
-        weights["steps"] = {"started_at": steps.started_at, "run": steps.run, "global_step": trainer.state.global_step}
+        weights["steps"] = steps.as_dict(trainer)
         torch.save(weights, os.path.join(out, f"{kind}-{name}-{recipe}.pt"))
 
 
@@ -295,21 +266,7 @@ def main(checkpoints: str, out: str, phases: str) -> None:
     torch.set_num_threads(1)
     with open(checkpoints) as fh:
         paths = json.load(fh)
-    args = training_arguments(
-        os.path.join(out, "trainer"),
-        per_device_train_batch_size=1,
-        learning_rate=LEARNING_RATE,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_steps=STEPS,
-        save_strategy="steps",
-        save_steps=1,
-        logging_steps=100,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        max_grad_norm=0.0,
-    )
+    args = training_arguments(os.path.join(out, "trainer"), learning_rate=LEARNING_RATE, max_steps=STEPS)
     for phase in phases.split(","):
         kind, name, recipe = phase.split(":")
         if kind == "resume":
