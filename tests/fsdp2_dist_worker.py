@@ -27,6 +27,7 @@ tests/zero3_dist_worker.py's ``USER_CASES``:
   switching the plugin to ``FULL_STATE_DICT``, as Transformers' documentation says); rank 0 writes
   ``OUT/train-<checkpoint>-<how>.pt``: the final weights in the checkpoint layout, and under ``"steps"`` the step it
   started at, the steps it ran and the final global step;
+* ``crossresume``: :func:`phase_crossresume`;
 * ``resume``: a new model loaded from the checkpoint and a new Trainer resume the ``train`` run from its
   ``checkpoint-1``; rank 0 writes ``OUT/resume-<checkpoint>-<how>.pt`` likewise.
 """
@@ -48,6 +49,8 @@ import zero3_dist_worker as z3  # noqa: E402
 
 STEPS, LEARNING_RATE = z3.STEPS, z3.LEARNING_RATE
 MOMENTUM = 0.9
+TRAINED_HOW = "qwen2_moe-full-example"
+"""The recipe of the ``train`` run that ``crossresume`` resumes with another layout."""
 """SGD with momentum: the optimizer has a state to checkpoint and resume (torch 2.13's ``set_optimizer_state_dict``
 of a full state dict fails on an optimizer without any: ``AssertionError: Expected device to be set``)."""
 
@@ -133,6 +136,25 @@ def phase_train(paths: dict, out: str, name: str, how: str, args, resume: bool =
         torch.save(weights, os.path.join(out, f"{kind}-{name}-{how}.pt"))
 
 
+def phase_crossresume(paths: dict, out: str, name: str, how: str, args) -> None:
+    """The checkpoint loaded with ``how`` (another layout than :data:`TRAINED_HOW`'s) resuming the ``train`` run
+    of :data:`TRAINED_HOW` from its ``checkpoint-1`` (accelerate's resume files: the trained model's own layout);
+    each rank writes ``OUT/crossresume-<checkpoint>-<how>.rank<r>.pt``: ``{"error": what it raised, or None,
+    "steps": what ran}``."""
+    result: dict = {"error": None}
+    try:
+        model = z3.load(paths[name], how).train()
+        fresh_wrap_policy()
+        steps = helpers.StepCounter()
+        trainer = helpers.in_order_trainer(model, args, z3.Tokens(), callbacks=[steps])
+        trainer.train(resume_from_checkpoint=os.path.join(out, f"trainer-{name}-{TRAINED_HOW}", "checkpoint-1"))
+        result["steps"] = steps.as_dict(trainer)
+    except BaseException as e:  # noqa: BLE001 - reported to the test (torch's CheckpointException is a BaseException)
+        result["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    torch.save(result, os.path.join(out, f"crossresume-{name}-{how}.rank{dist.get_rank()}.pt"))
+
+
 def main(checkpoints: str, out: str, phases: str) -> None:
     torch.set_num_threads(1)
     with open(checkpoints) as fh:
@@ -148,6 +170,8 @@ def main(checkpoints: str, out: str, phases: str) -> None:
         )
         if kind == "resume":
             phase_train(paths, out, name, how, args, resume=True)
+        elif kind == "crossresume":
+            phase_crossresume(paths, out, name, how, args)
         else:
             {"load": phase_load, "train": phase_train}[kind](paths, out, name, how, args)
 

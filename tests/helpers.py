@@ -233,11 +233,12 @@ def accelerate_command(*options: str) -> list[str]:
     )
 
 
-def launch(command: list[str], timeout: float, env: dict | None = None) -> str:
+def launch(command: list[str], timeout: float, env: dict | None = None, log=None) -> str:
     """Run a 2-process launch ``command`` (its own session) with :data:`LAUNCH_ENV` and ``env`` added, the
     modelpatch this process imported first on ``PYTHONPATH``; the whole process group (launcher and workers) is killed
     after ``timeout`` seconds. Returns what went wrong (exit code or timeout, with the end of the output), empty
-    when nothing did."""
+    when nothing did; ``log`` (a path): where to write the whole output (the workers' tracebacks of errors they
+    report to the test)."""
     import os
     import signal
     import subprocess
@@ -258,6 +259,8 @@ def launch(command: list[str], timeout: float, env: dict | None = None) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         return f"{command[2:]} killed after {timeout} s:\n{stderr.decode()[-5000:]}"
+    if log is not None:
+        Path(log).write_bytes(stdout + b"\n" + stderr)
     if proc.returncode != 0:
         return f"{command[2:]} exit code {proc.returncode}:\n{stdout.decode()[-2000:]}{stderr.decode()[-6000:]}"
     return ""

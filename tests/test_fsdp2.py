@@ -29,8 +29,10 @@ has ``model.safetensors`` (``save_model``: the original layout, checked) beside 
 ``pytorch_model_fsdp.bin`` / ``optimizer.bin``; under ``SHARDED_STATE_DICT`` only the DCP folders
 ``pytorch_model_fsdp_0`` / ``optimizer_0`` (no ``model.safetensors``, no ``config.json``). Both resume files are
 written from ``model.state_dict()``, i.e. in the model's own layout (``qkv_proj``; per-expert keys, which for
-qwen2_moe are also the checkpoint's) and are read back by the same recipe; a run with another layout gets
-torch's error naming the missing key, not other weights.
+qwen2_moe are also the checkpoint's) and are read back by the same recipe; the unpatched model resuming from them
+is refused before anything is loaded (``StateDictLayoutError`` naming ``resume_from_checkpoint``, the
+``state_dict_type``, the file and the modules), where torch would fail on a bare ``KeyError`` (full) or a missing
+key (DCP) after sharding.
 
 Measured 2026-12-05 (2 CPU processes): gathered weights max abs diff 0.0 in every case and mode; training against
 one process 3.1e-07 (the steps moved weights by 0.23); resume 0.0; one launch takes 30-45 s on 2 shared cores.
@@ -70,11 +72,15 @@ def _launch(out: Path, mode: str) -> str:
     paths = train_dist_worker.make_checkpoints(out / "checkpoints")
     (out / "checkpoints.json").write_text(json.dumps(paths))
     phases = [f"load:{name}:{how}" for name, how in [*LOADS, REFUSED]]
-    phases += [f"train:{TRAINED[0]}:{TRAINED[1]}", f"resume:{TRAINED[0]}:{TRAINED[1]}"]
+    phases += [
+        f"train:{TRAINED[0]}:{TRAINED[1]}",
+        f"resume:{TRAINED[0]}:{TRAINED[1]}",
+        f"crossresume:{TRAINED[0]}:none",
+    ]
     options = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", *MODES[mode]]
     command = helpers.accelerate_command(*options)
     command += [str(Path(__file__).with_name("fsdp2_dist_worker.py")), str(out / "checkpoints.json"), str(out)]
-    return helpers.launch([*command, ",".join(phases)], LAUNCH_TIMEOUT)
+    return helpers.launch([*command, ",".join(phases)], LAUNCH_TIMEOUT, log=out / "launch.log")
 
 
 @pytest.mark.slow
@@ -161,6 +167,20 @@ def _check_training(out: Path, paths: dict, sharded_checkpoints: bool) -> None:
     assert _max_diff(saved, trained) == 0.0
     _, info = AutoModelForCausalLM.from_pretrained(saved_dir, output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+
+    # the unpatched model resuming from accelerate's resume files (the patched model's own layout): refused before
+    # anything is loaded, naming the option, the file and the modules (torch would fail on a bare key)
+    for rank in (0, 1):
+        crossed = torch.load(out / f"crossresume-{name}-none.rank{rank}.pt", weights_only=False)
+        assert crossed["error"].startswith("StateDictLayoutError: resume_from_checkpoint="), crossed
+        kind, file = (
+            ("SHARDED_STATE_DICT", "pytorch_model_fsdp_0")
+            if sharded_checkpoints
+            else ("FULL_STATE_DICT", "pytorch_model_fsdp.bin")
+        )
+        assert f"under FSDP (state_dict_type {kind}): {file} holds 4 module(s)" in crossed["error"], crossed
+        assert "model.layers.0.self_attn (Qwen2MoeAttention): the checkpoint has qkv_proj.bias" in crossed["error"]
+        assert "model.layers.1.mlp.experts (Qwen2MoeExperts): the checkpoint has 0.down_proj.weight" in crossed["error"]
 
     first = out / f"trainer-{name}-{how}" / "checkpoint-1"
     if sharded_checkpoints:  # DCP folders only, in the model's own layout (read back by the same recipe)
