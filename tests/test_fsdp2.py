@@ -41,6 +41,7 @@ one process 3.1e-07 (the steps moved weights by 0.23); resume 0.0; one launch ta
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,44 @@ def _check_training(out: Path, paths: dict, sharded_checkpoints: bool) -> None:
     else:  # save_model's original layout beside accelerate's resume files
         assert load_file(first / "model.safetensors").keys() == checkpoint.keys()
         assert (first / "pytorch_model_fsdp.bin").exists()
+
+
+@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_fsdp_resume_files_of_another_layout_are_refused(tmp_path, kind):
+    """accelerate's resume files as ``save_fsdp_model`` writes them from ``model.state_dict()`` (one process: the
+    same keys as the sharded model's): ``torch.save`` of the full state dict, or a DCP folder of ``{"model": ...}``;
+    the check runs before accelerate reads them. Same layout: nothing to refuse."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    from modelpatch.conversion.errors import StateDictLayoutError
+    from modelpatch.integrations.trainer import check_fsdp_checkpoint_layout
+    from modelpatch.recipes import get_recipe
+
+    helpers.save_tiny(LlamaForCausalLM, helpers.tiny_llama_config(), tmp_path / "llama")
+    plain = LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    with get_recipe("llama-fused-qkv").apply():
+        fused = LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    checkpoint = tmp_path / "checkpoint-1"
+    if kind == "FULL_STATE_DICT":
+        checkpoint.mkdir()
+        torch.save(fused.state_dict(), checkpoint / "pytorch_model_fsdp.bin")
+    else:
+        with warnings.catch_warnings():  # one process: torch.distributed is not initialised, as torch warns
+            warnings.simplefilter("ignore")
+            writer = dcp.FileSystemWriter(checkpoint / "pytorch_model_fsdp_0")
+            dcp.save({"model": fused.state_dict()}, storage_writer=writer)
+    check_fsdp_checkpoint_layout(fused, checkpoint, kind)  # its own layout: resumes
+    with pytest.raises(StateDictLayoutError) as caught:
+        check_fsdp_checkpoint_layout(plain, checkpoint, kind)
+    message = str(caught.value)
+    file = "pytorch_model_fsdp.bin" if kind == "FULL_STATE_DICT" else "pytorch_model_fsdp_0"
+    assert (
+        f"resume_from_checkpoint='{checkpoint}' under FSDP (state_dict_type {kind}): {file} holds 2 module(s)"
+        in message
+    )
+    for layer in (0, 1):  # only the keys that differ (o_proj is in both layouts)
+        assert (
+            f"model.layers.{layer}.self_attn (LlamaAttention): the checkpoint has qkv_proj.weight, the model "
+            "k_proj.weight, q_proj.weight, v_proj.weight\n" in message
+        ), message

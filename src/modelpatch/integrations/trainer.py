@@ -25,7 +25,7 @@ Trainer's optimizer object has an instance attribute ``state_dict`` (save) or ``
 its own method, removed when the call returns.
 
 **Installation.** :func:`install` (called by :func:`modelpatch.integrations.transformers.install`, i.e. on import of
-modelpatch) wraps the two methods on ``transformers.Trainer`` when ``transformers.trainer`` is already imported,
+modelpatch) wraps the methods on ``transformers.Trainer`` when ``transformers.trainer`` is already imported,
 else right after it is imported (an import hook answering for that one module name only, as :mod:`.peft` does).
 :func:`uninstall` restores the methods and removes the hook. Importing modelpatch never imports the Trainer.
 """
@@ -211,7 +211,7 @@ _WRAPPERS = {
 
 
 def _wrap(module: ModuleType) -> None:
-    """Wrap the two methods of ``module.Trainer`` (idempotent)."""
+    """Wrap the methods of ``module.Trainer`` named in ``_WRAPPERS`` (idempotent)."""
     with _lock:
         trainer = getattr(module, "Trainer", None)
         if trainer is None or len(_installed):
@@ -225,7 +225,8 @@ _hook = PostImportHook(TARGET_MODULE, _wrap)
 
 
 def install() -> None:
-    """Wrap the Trainer's optimizer save and load now, or when ``transformers.trainer`` is imported (idempotent)."""
+    """Wrap the Trainer's optimizer save and load and its FSDP resume now, or when ``transformers.trainer`` is
+    imported (idempotent)."""
     with _lock:
         _hook.now_or_on_import()
 
