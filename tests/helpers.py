@@ -223,14 +223,8 @@ def accelerate_command(*options: str) -> list[str]:
     import sys
 
     command = [sys.executable, "-m", "accelerate.commands.launch", *options, "--num_processes", "2"]
-    return (
-        command
-        + ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-        + [
-            "--main_process_port",
-            str(free_port()),
-        ]
-    )
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return command + ["--main_process_port", str(free_port())]
 
 
 def launch(command: list[str], timeout: float, env: dict | None = None, log=None) -> str:
@@ -246,7 +240,7 @@ def launch(command: list[str], timeout: float, env: dict | None = None, log=None
 
     import modelpatch
 
-    full_env = dict(os.environ, **LAUNCH_ENV, **(env or {}))
+    full_env = {**os.environ, **LAUNCH_ENV, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(modelpatch.__file__).parents[1]), full_env.get("PYTHONPATH", "")]
     )
