@@ -18,7 +18,10 @@ build on the ``meta`` device to read shapes are partitioned too).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+from collections.abc import Iterator
 
 import torch
 from transformers import core_model_loading as _tcml
@@ -28,7 +31,16 @@ from .errors import ConversionError
 from .loading import model_key, prepare, transformers_renamings
 from .state import ConversionState  # noqa: F401 - named in docstrings
 
-__all__ = ["tensor_shape", "zero3_state_shapes", "convert_checkpoint", "unread_keys", "ZeroLoadInfo", "check_gathered"]
+__all__ = [
+    "tensor_shape",
+    "zero3_state_shapes",
+    "convert_checkpoint",
+    "unread_keys",
+    "ZeroLoadInfo",
+    "check_gathered",
+    "batched_zero_init",
+    "load_leaf_modules",
+]
 
 
 def tensor_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -142,3 +154,127 @@ def check_gathered(model, state_dict: dict) -> None:
             "`with deepspeed.zero.GatheredParameters(list(model.parameters())):`, or pass the consolidated state "
             "dict (the Trainer does with stage3_gather_16bit_weights_on_model_save)."
         )
+
+
+def _open_zero_init():
+    """The ``deepspeed.zero.Init`` context open in this process (DeepSpeed's ``top_level_context``), or None
+    (DeepSpeed not imported, or no ``zero.Init`` open)."""
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    context = getattr(module, "top_level_context", None) if module is not None else None
+    if context is None or not all(
+        callable(getattr(context, name, None))
+        for name in ("_zero_init_param", "_convert_to_deepspeed_param", "get_partition_dp_group")
+    ):
+        return None  # not open, or a DeepSpeed release whose zero.Init works otherwise: per parameter, unchanged
+    return context
+
+
+@contextlib.contextmanager
+def batched_zero_init() -> Iterator[None]:
+    """Under an open ``deepspeed.zero.Init``: the parameters of the modules built in this block are broadcast from
+    rank 0 in one collective per process group at the end of the block (their bytes concatenated), then
+    partitioned, instead of one blocking broadcast and partition per parameter (DeepSpeed's ``_zero_init_param``,
+    which ``zero.Init`` runs after each module's ``__init__``).
+
+    The values, ``ds_id`` order and final partitions are those of the per-parameter path; what the block builds is
+    held in full until the end of the block (for linear experts: one layer's experts, the size of the fused
+    parameter the original class materialises in full the same way). Without an open ``zero.Init`` (or with a
+    DeepSpeed release that lacks the methods named here) the block runs unchanged.
+    """
+    context = _open_zero_init()
+    if context is None:
+        yield
+        return
+    from ..undo import UndoStack
+
+    deferred: list = []
+
+    def zero_init_param(param) -> None:  # DeepSpeed's _zero_init_param, the broadcast and partition deferred
+        context._convert_to_deepspeed_param(param)
+        deferred.append(param)
+
+    with UndoStack() as undo:
+        undo.setattr(context, "_zero_init_param", zero_init_param)
+        yield
+    if deferred:
+        _broadcast_and_partition(context, deferred)
+
+
+def _broadcast_and_partition(context, params: list) -> None:
+    from deepspeed import comm as dist
+
+    groups: dict[int, tuple] = {}
+    for param in params:
+        group = context.get_partition_dp_group(param)
+        groups.setdefault(id(group), (group, []))[1].append(param)
+    for group, members in groups.values():
+        flat = torch.cat([p.data.reshape(-1).view(torch.uint8) for p in members])
+        source = 0 if dist.get_world_group() == group else dist.get_global_rank(group, 0)
+        dist.broadcast(flat, source, group)
+        offset = 0
+        for param in members:
+            size = param.data.numel() * param.data.element_size()
+            param.data.reshape(-1).view(torch.uint8).copy_(flat[offset : offset + size])
+            offset += size
+        members[0].partition(param_list=members)
+
+
+def load_leaf_modules(model, state_dict: dict, transforms: list) -> tuple[dict, set, list]:
+    """Load the parameters of each ZeRO-3 leaf module of ``model`` (``_z3_leaf``, DeepSpeed's marker for a block
+    whose parameters are fetched together, e.g. :class:`~modelpatch.recipes.LinearExperts`) from ``state_dict`` in
+    one ``GatheredParameters`` per module, as Transformers' ZeRO-3 loader loads each module (``_load_from_state_dict``
+    on rank 0, broadcast from rank 0, partitioned again), instead of one gather and broadcast per sub-module.
+
+    Only a leaf module without buffers whose every parameter is a key of ``state_dict`` under its own name, which no
+    transform of ``transforms`` renames or converts, is loaded here; any other is left to the loader.
+
+    Returns ``(rest, loaded, error_msgs)``: ``state_dict`` without the keys loaded (its ``_metadata`` kept), the
+    keys loaded (not missing) and ``_load_from_state_dict``'s error messages.
+    """
+    leaves = [(name, m) for name, m in model.named_modules() if getattr(m, "_z3_leaf", False)]
+    if not leaves:
+        return state_dict, set(), []
+    import deepspeed
+    import torch.distributed as dist
+
+    renamings = [t for t in transforms if isinstance(t, _tcml.WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, _tcml.WeightConverter)]
+    saved = [(t, {a: getattr(t, a) for a in ("_was_used", "_active") if hasattr(t, a)}) for t in transforms]
+
+    def untouched(key: str) -> bool:
+        return all(t.rename_source_key(key) == (key, None) for t in (*renamings, *converters))
+
+    metadata = getattr(state_dict, "_metadata", None)
+    loaded: set[str] = set()
+    error_msgs: list[str] = []
+    taken: list[str] = []
+    try:
+        for prefix, leaf in leaves:
+            if prefix and any(prefix.startswith(f"{other}.") for other, _ in leaves if other):
+                continue  # inside another leaf: loaded with it
+            keys = {f"{prefix}.{n}" if prefix else n: p for n, p in leaf.named_parameters()}
+            if not keys or any(True for _ in leaf.buffers()):
+                continue
+            if not all(k in state_dict and untouched(k) for k in keys):
+                continue
+            for param in keys.values():
+                param._is_hf_initialized = True  # as the loader marks what it fills: not initialised again
+            values = {k: state_dict[k] for k in keys}
+            with deepspeed.zero.GatheredParameters(list(keys.values()), modifier_rank=0):
+                if dist.get_rank() == 0:
+                    for name, module in leaf.named_modules(prefix=prefix):
+                        local = {} if metadata is None else dict(metadata.get(name, {}))
+                        local["assign_to_params_buffers"] = False
+                        module._load_from_state_dict(values, f"{name}.", local, True, [], [], error_msgs)
+            loaded.update(keys)
+            taken.extend(keys)
+    finally:
+        for transform, attributes in saved:
+            for attribute, value in attributes.items():
+                setattr(transform, attribute, value)
+    if not taken:
+        return state_dict, set(), []
+    rest = _WithMetadata({k: v for k, v in state_dict.items() if k not in loaded})
+    if metadata is not None:
+        rest._metadata = metadata
+    return rest, loaded, error_msgs
