@@ -219,62 +219,96 @@ def _broadcast_and_partition(context, params: list) -> None:
         members[0].partition(param_list=members)
 
 
-def load_leaf_modules(model, state_dict: dict, transforms: list) -> tuple[dict, set, list]:
+def load_leaf_modules(model, state_dict: dict, transforms: list) -> tuple[dict, set]:
     """Load the parameters of each ZeRO-3 leaf module of ``model`` (``_z3_leaf``, DeepSpeed's marker for a block
-    whose parameters are fetched together, e.g. :class:`~modelpatch.recipes.LinearExperts`) from ``state_dict`` in
-    one ``GatheredParameters`` per module, as Transformers' ZeRO-3 loader loads each module (``_load_from_state_dict``
-    on rank 0, broadcast from rank 0, partitioned again), instead of one gather and broadcast per sub-module.
+    whose parameters are fetched together, e.g. :class:`~modelpatch.recipes.LinearExperts`) from ``state_dict``
+    with one broadcast from rank 0 per module, instead of Transformers' ZeRO-3 loader's gather and broadcast of
+    every parameter of every sub-module (``GatheredParameters(..., modifier_rank=0)`` around
+    ``_load_from_state_dict``).
 
-    Only a leaf module without buffers whose every parameter is a key of ``state_dict`` under its own name, which no
-    transform of ``transforms`` renames or converts, is loaded here; any other is left to the loader.
+    Every parameter of such a module is overwritten, so its old partitions are not gathered: rank 0 copies the
+    checkpoint values (cast to the parameter's dtype, as ``_load_from_state_dict`` copies them) into one buffer,
+    the buffer is broadcast, and each rank partitions the full tensors again as ``GatheredParameters`` does on exit
+    (DeepSpeed's ``partition(has_been_updated=True)``, which also writes offloaded partitions).
 
-    Returns ``(rest, loaded, error_msgs)``: ``state_dict`` without the keys loaded (its ``_metadata`` kept), the
-    keys loaded (not missing) and ``_load_from_state_dict``'s error messages.
+    Only a leaf module without buffers, whose every parameter is a key of ``state_dict`` under its own name with
+    the parameter's full shape, which no transform of ``transforms`` renames or converts, and whose parameters
+    share one process group is loaded here; any other is left to the loader, as are all of them with a DeepSpeed
+    release that lacks the names used here.
+
+    Returns ``(rest, loaded)``: ``state_dict`` without the keys loaded (its ``_metadata`` kept) and those keys.
     """
     leaves = [(name, m) for name, m in model.named_modules() if getattr(m, "_z3_leaf", False)]
     if not leaves:
-        return state_dict, set(), []
-    import deepspeed
-    import torch.distributed as dist
+        return state_dict, set()
+    try:
+        from deepspeed import comm as dist
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    except ImportError:
+        return state_dict, set()
 
-    renamings = [t for t in transforms if isinstance(t, _tcml.WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, _tcml.WeightConverter)]
+    transforms = [t for t in transforms if isinstance(t, (_tcml.WeightRenaming, _tcml.WeightConverter))]
     saved = [(t, {a: getattr(t, a) for a in ("_was_used", "_active") if hasattr(t, a)}) for t in transforms]
 
-    def untouched(key: str) -> bool:
-        return all(t.rename_source_key(key) == (key, None) for t in (*renamings, *converters))
+    def loadable(key: str, param) -> bool:
+        value = state_dict.get(key)
+        return (
+            isinstance(value, torch.Tensor)
+            and tuple(value.shape) == tensor_shape(param)
+            and hasattr(param, "ds_id")
+            and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+            and all(t.rename_source_key(key) == (key, None) for t in transforms)
+        )
 
-    metadata = getattr(state_dict, "_metadata", None)
     loaded: set[str] = set()
-    error_msgs: list[str] = []
-    taken: list[str] = []
     try:
         for prefix, leaf in leaves:
-            if prefix and any(prefix.startswith(f"{other}.") for other, _ in leaves if other):
-                continue  # inside another leaf: loaded with it
-            keys = {f"{prefix}.{n}" if prefix else n: p for n, p in leaf.named_parameters()}
-            if not keys or any(True for _ in leaf.buffers()):
+            if not prefix or any(prefix.startswith(f"{other}.") for other, _ in leaves if other):
+                continue  # the whole model, or inside another leaf
+            params = {f"{prefix}.{n}": p for n, p in leaf.named_parameters()}
+            if not params or any(True for _ in leaf.buffers()):
                 continue
-            if not all(k in state_dict and untouched(k) for k in keys):
+            if not all(loadable(k, p) for k, p in params.items()):
                 continue
-            for param in keys.values():
-                param._is_hf_initialized = True  # as the loader marks what it fills: not initialised again
-            values = {k: state_dict[k] for k in keys}
-            with deepspeed.zero.GatheredParameters(list(keys.values()), modifier_rank=0):
-                if dist.get_rank() == 0:
-                    for name, module in leaf.named_modules(prefix=prefix):
-                        local = {} if metadata is None else dict(metadata.get(name, {}))
-                        local["assign_to_params_buffers"] = False
-                        module._load_from_state_dict(values, f"{name}.", local, True, [], [], error_msgs)
-            loaded.update(keys)
-            taken.extend(keys)
+            if any(p.ds_process_group != dist.get_world_group() for p in params.values()):
+                continue  # the loader's values are global rank 0's; a sub-group is left to the loader
+            _broadcast_into_partitions(dist, ZeroParamStatus, params, state_dict)
+            loaded.update(params)
     finally:
         for transform, attributes in saved:
             for attribute, value in attributes.items():
                 setattr(transform, attribute, value)
-    if not taken:
-        return state_dict, set(), []
+    if not loaded:
+        return state_dict, set()
     rest = _WithMetadata({k: v for k, v in state_dict.items() if k not in loaded})
+    metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         rest._metadata = metadata
-    return rest, loaded, error_msgs
+    return rest, loaded
+
+
+def _broadcast_into_partitions(dist, status, params: dict, state_dict: dict) -> None:
+    """``params`` (``{key: partitioned parameter}``, world group) set to ``state_dict``'s values of rank 0 on every
+    rank: one byte buffer (each parameter at a 64-byte aligned offset), broadcast from rank 0, then partitioned."""
+    from deepspeed.accelerator import get_accelerator
+
+    members = sorted(params.items(), key=lambda item: item[1].ds_id)  # the same order on every rank
+    offsets, total = [], 0
+    for _, param in members:
+        offsets.append(total)
+        total += -(-(param.ds_numel * param.dtype.itemsize) // 64) * 64
+    flat = torch.empty(total, dtype=torch.uint8, device=get_accelerator().current_device_name())
+    views = []
+    for (_, param), offset in zip(members, offsets):
+        size = param.ds_numel * param.dtype.itemsize
+        views.append(flat[offset : offset + size].view(param.dtype).view(tensor_shape(param)))
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            for (key, _), view in zip(members, views):
+                view.copy_(state_dict[key])  # cast to the parameter's dtype, as _load_from_state_dict copies
+    dist.broadcast(flat, 0, dist.get_world_group())
+    for (_, param), view in zip(members, views):
+        param.data = view
+        param.ds_status = status.AVAILABLE
+        param._is_hf_initialized = True  # as the loader marks what it fills: not initialised again
+    members[0][1].partition(param_list=[p for _, p in members], has_been_updated=True)
