@@ -19,6 +19,7 @@ Needs ``pip install -e ".[deepspeed]"`` (and DeepSpeed's CPU op: ``python tests/
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -87,7 +88,8 @@ def worker(path: str, how: str, out: str) -> None:
     load()  # the first load pays imports and DeepSpeed set-up
     loads = []
     for _ in range(LOADS):
-        model = None  # the previous load's partitions are freed before the next is built
+        model = None  # the previous load's partitions are freed before the next is built (reference cycles too)
+        gc.collect()
         dist.barrier()
         started = time.perf_counter()
         model = load()
