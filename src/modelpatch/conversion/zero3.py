@@ -161,6 +161,10 @@ def check_gathered(model, state_dict: dict) -> None:
         )
 
 
+BROADCAST_CHUNK_BYTES = 64 * 2**20
+"""The most bytes :func:`batched_zero_init` concatenates for one broadcast (beyond one parameter's)."""
+
+
 def _open_zero_init():
     """The ``deepspeed.zero.Init`` context open in this process (DeepSpeed's ``top_level_context``), or None
     (DeepSpeed not imported, or no ``zero.Init`` open)."""
@@ -177,9 +181,10 @@ def _open_zero_init():
 @contextlib.contextmanager
 def batched_zero_init() -> Iterator[None]:
     """Under an open ``deepspeed.zero.Init``: the parameters of the modules built in this block are broadcast from
-    rank 0 in one collective per process group at the end of the block (their bytes concatenated), then
-    partitioned, instead of one blocking broadcast and partition per parameter (DeepSpeed's ``_zero_init_param``,
-    which ``zero.Init`` runs after each module's ``__init__``).
+    rank 0 at the end of the block, their bytes concatenated in chunks of at most :data:`BROADCAST_CHUNK_BYTES`
+    (one collective per chunk and process group), then partitioned, instead of one blocking broadcast and
+    partition per parameter (DeepSpeed's ``_zero_init_param``, which ``zero.Init`` runs after each module's
+    ``__init__``).
 
     The values, ``ds_id`` order and final partitions are those of the per-parameter path; what the block builds is
     held in full until the end of the block (for linear experts: one layer's experts, the size of the fused
@@ -213,15 +218,26 @@ def _broadcast_and_partition(context, params: list) -> None:
         group = context.get_partition_dp_group(param)
         groups.setdefault(id(group), (group, []))[1].append(param)
     for group, members in groups.values():
-        flat = torch.cat([p.data.reshape(-1).view(torch.uint8) for p in members])
         source = 0 if dist.get_world_group() == group else dist.get_global_rank(group, 0)
-        dist.broadcast(flat, source, group)
-        offset = 0
-        for param in members:
-            size = param.data.numel() * param.data.element_size()
-            param.data.reshape(-1).view(torch.uint8).copy_(flat[offset : offset + size])
-            offset += size
-        members[0].partition(param_list=members)
+        chunks: list[list] = [[]]
+        size = 0
+        for param in members:  # chunks of at most BROADCAST_CHUNK_BYTES (or one parameter): a bounded extra copy
+            nbytes = param.data.numel() * param.data.element_size()
+            if chunks[-1] and size + nbytes > BROADCAST_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(param)
+            size += nbytes
+        for chunk in chunks:
+            flat = torch.cat([p.data.reshape(-1).view(torch.uint8) for p in chunk])
+            dist.broadcast(flat, source, group)
+            offset = 0
+            for param in chunk:
+                nbytes = param.data.numel() * param.data.element_size()
+                param.data.reshape(-1).view(torch.uint8).copy_(flat[offset : offset + nbytes])
+                offset += nbytes
+            del flat
+            chunk[0].partition(param_list=chunk)  # frees the full tensors of this chunk
 
 
 def load_leaf_modules(model, state_dict: dict, transforms: list) -> tuple[dict, set]:
