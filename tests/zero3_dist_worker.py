@@ -19,7 +19,9 @@ ZeRO-3 loader (the normal path of a Trainer run).
   the Trainer checkpoints after each step into ``OUT/trainer/checkpoint-<step>``;
 * ``resume`` (in another launch, after ``train``): the same run resumed from ``OUT/trainer/checkpoint-1`` (a new
   model loaded under ZeRO-3, DeepSpeed's own checkpoint of the engine); rank 0 writes ``OUT/resume-<checkpoint>-<how>.pt``;
-* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`).
+* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`);
+* ``sgd`` / ``sgd-offload``: SGD steps through a DeepSpeed engine, without / with ZeRO-3 ``offload_param`` to
+  the CPU (:func:`phase_sgd`).
 
 :func:`load` (the same code in one process without DeepSpeed) is the reference the test compares with.
 """
@@ -262,6 +264,57 @@ def phase_replay(paths: dict, out: str, name: str, recipe: str, args) -> None:
     torch.save({"steps": steps, "weights": weights}, os.path.join(out, f"replay-{name}-{recipe}.rank{rank}.pt"))
 
 
+def sgd_rows(step: int) -> torch.Tensor:
+    """The global batch of SGD step ``step`` of the ``sgd`` phases: rows ``2 step`` (rank 0) and ``2 step + 1``
+    (rank 1) of :class:`Tokens`."""
+    return Tokens().ids[2 * step : 2 * step + 2]
+
+
+def phase_sgd(paths: dict, out: str, name: str, recipe: str, args, offload: bool = False) -> None:
+    """``STEPS`` SGD steps through a DeepSpeed engine (``deepspeed.initialize``; the Trainer's accelerate allows one
+    DeepSpeed run per process), each rank its row of :func:`sgd_rows`; rank 0 writes ``OUT/sgd-<checkpoint>-<how>.pt``
+    (``sgd-offload-...`` with ``offload``): ``{"loaded": the gathered checkpoint layout after the load, "trained":
+    after the steps, "error": what raised, or None}``.
+
+    ``offload``: the load and the engine under ``offload_param`` to the CPU (ZeRO-3 parameter offload): a fresh
+    ``HfDeepSpeedConfig`` for the load, the Trainer's restored afterwards."""
+    import deepspeed
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+    from modelpatch import iter_original_state_dict
+
+    rank = dist.get_rank()
+    config = {**ds_config(), "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    config.update(train_batch_size=dist.get_world_size(), gradient_clipping=0.0, zero_allow_untested_optimizer=True)
+    if offload:
+        config["zero_optimization"] = {**config["zero_optimization"], "offload_param": {"device": "cpu"}}
+    result: dict = {"error": None}
+    hf_config = HfDeepSpeedConfig(config) if offload else None  # switched on for this load (kept alive)
+    try:
+        model = load(paths[name], recipe).train()
+
+        def checkpoint_layout() -> dict:
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                return {k: v.detach().float().clone() for k, v in iter_original_state_dict(model)}
+
+        result["loaded"] = checkpoint_layout()
+        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        for step in range(STEPS):
+            ids = sgd_rows(step)[rank : rank + 1]
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        result["trained"] = checkpoint_layout()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        if hf_config is not None:
+            set_hf_deepspeed_config(args.hf_deepspeed_config)
+    if rank == 0:
+        torch.save(result, os.path.join(out, f"sgd{'-offload' if offload else ''}-{name}-{recipe}.pt"))
+
+
 def main(checkpoints: str, out: str, phases: str) -> None:
     torch.set_num_threads(1)
     with open(checkpoints) as fh:
@@ -272,7 +325,11 @@ def main(checkpoints: str, out: str, phases: str) -> None:
         if kind == "resume":
             phase_train(paths, out, name, recipe, args, resume=True)
             continue
-        {"load": phase_load, "train": phase_train, "replay": phase_replay}[kind](paths, out, name, recipe, args)
+        if kind == "sgd-offload":
+            phase_sgd(paths, out, name, recipe, args, offload=True)
+            continue
+        phases_by_kind = {"load": phase_load, "train": phase_train, "replay": phase_replay, "sgd": phase_sgd}
+        phases_by_kind[kind](paths, out, name, recipe, args)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,11 @@ def _load_zero3(model, state_dict, load_config=None):
     model_state = zero3.zero3_state_shapes(model)
     mapping = list(getattr(load_config, "weight_mapping", None) or []) if load_config is not None else []
     unexpected = zero3.unread_keys(model, list(state_dict), mapping, model_state)
+    # leaf modules (linear experts): one broadcast per module, not a gather and broadcast per sub-module (zero3)
+    state_dict, loaded = zero3.load_leaf_modules(model, state_dict, mapping)
     error_msgs, missing_keys = original(model, state_dict, load_config)
+    if loaded:
+        missing_keys = set(missing_keys) - loaded
     if state is not None:
         set_state(model, state)
     check_replacements_loaded(model, zero3.ZeroLoadInfo(set(missing_keys), unexpected))
