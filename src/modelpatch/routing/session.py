@@ -545,10 +545,9 @@ class ReplaySession(_SessionDriver):
                 raise RoutingTraceError(
                     f"layer {layer}: expected expert ids in [0, {s.num_experts}) or -1, received max id {hi}"
                 )
-            device = next(iter(s.module.parameters()), torch.empty(0)).device
-            if device.type == "meta":
-                device = torch.device("cpu")
-            self.rows[layer] = [t.to(device) for t in seqs]  # no copy on the same device; never modified
+            device = _module_device(s.module)
+            # the trace's rows are CPU tensors (never modified): moved once per block for a router elsewhere
+            self.rows[layer] = seqs if device.type in ("cpu", "meta") else [t.to(device) for t in seqs]
         self.free_rows = {layer: trace.has_free_rows(layer) for layer in model_layers}  # "no route" rows
         self.lengths = trace.sequence_lengths
         self.cursor = [0] * len(self.lengths)
@@ -556,6 +555,7 @@ class ReplaySession(_SessionDriver):
         self.next_seq = 0
         self.forwards = 0  # forwards of the owner in the block
         self.routed: dict[int, int] = {s.layer_idx: 0 for s in self.sites}  # router calls per layer given routes
+        self._plan: list[tuple[int, int, int]] | None = None  # see _assign
 
     def _assign(self, layout: ForwardLayout) -> None:
         self.forwards += 1
@@ -588,6 +588,13 @@ class ReplaySession(_SessionDriver):
                 self.closed[seq] = True  # engine convention: the last token was never routed
             self.cursor[seq] = start + slot.n - slot.pad_end
         self._last_seqs = seqs
+        # the common compiled case, decided once per forward rather than at every router call: consecutive slices
+        # of the token grid, each wholly routed by the trace -> ``(sequence, first row, end row)`` to concatenate
+        self._plan = (
+            [(slot.seq, slot.start, slot.start + slot.n) for slot in layout.slots]
+            if _contiguous(layout.slots, layout.num_tokens)
+            else None
+        )
 
     def _forced(self, site: RouterSite, num_tokens: int) -> torch.Tensor:
         return self._forced_rows(site, num_tokens)[0]
@@ -650,6 +657,28 @@ class ReplaySession(_SessionDriver):
         return site.kind.call(site, forward, args, kwargs, forced, _noop, measure)
 
     def compiled_route(self, site: RouterSite, natural: torch.Tensor) -> torch.Tensor:
+        layer = site.layer_idx
+        plan = self._plan
+        layout = self.layout
+        if (
+            plan is not None
+            and layout is not None
+            and self.drift is None
+            and not self.free_rows[layer]
+            and natural.shape[0] == layout.num_tokens
+        ):
+            # fast path, once per router call of a compiled forward: every row is a route of the trace (no -1 to
+            # merge with the natural choice), one new tensor (never the trace's storage: the graph owns it)
+            self.routed[layer] += 1
+            rows = self.rows[layer]
+            if len(plan) == 1:
+                seq, start, end = plan[0]
+                forced = rows[seq][start:end].clone()
+            else:
+                forced = torch.cat([rows[seq][start:end] for seq, start, end in plan])
+            if forced.device == natural.device:
+                return forced
+            return forced.to(natural.device)
         forced, new = self._forced_rows(site, natural.shape[0])
         if self.drift is not None:
             self.drift.add(site.layer_idx, natural, forced)
@@ -700,6 +729,15 @@ class ReplaySession(_SessionDriver):
         ]
         if leftover:
             raise RoutingReplayError("leftover routes at the end of the replay block: " + "; ".join(leftover))
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    """The device of the router's first parameter (its own ones first: no generator over the subtree); CPU if it
+    has none."""
+    for p in module._parameters.values():
+        if p is not None:
+            return p.device
+    return next(iter(module.parameters()), torch.empty(0)).device
 
 
 def _contiguous(slots: list[Slot], num_tokens: int) -> bool:
