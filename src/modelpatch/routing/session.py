@@ -276,10 +276,15 @@ class _SessionDriver:
                         f"layer {site.layer_idx}: router already driven by another record_routing/replay_routing "
                         "block (as the module owning another model's decoder layers)"
                     )
-                self._undo.setattr(router, _ORIGINAL, router.forward, raw=True)
-                self._undo.setattr(router, _COMPILED, compiled_router_info(site), raw=True)
-                self._undo.setattr(router, "forward", types.MethodType(_driven_router_forward, router), raw=True)
-                self._undo.setattr(router, _MARK, self, raw=True)
+                self._undo.setattrs_raw(
+                    router,
+                    {
+                        _ORIGINAL: router.forward,
+                        _COMPILED: compiled_router_info(site),
+                        "forward": types.MethodType(_driven_router_forward, router),
+                        _MARK: self,
+                    },
+                )
                 self._undo.setitem(HANDLERS, id(router), (self, site))
             owner = self.owner
             if id(owner) in HANDLERS:
