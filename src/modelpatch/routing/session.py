@@ -539,7 +539,9 @@ class ReplaySession(_SessionDriver):
             raise RoutingTraceError(
                 f"trace MoE layers {list(trace.layers)} do not match the model's MoE layers {list(model_layers)}"
             )
+        self.lengths = trace.sequence_lengths
         self.rows: dict[int, list[torch.Tensor]] = {}
+        self.flat: dict[int, torch.Tensor] = {}  # CPU layers: every sequence's rows, concatenated in order
         for s in self.sites:
             layer = s.layer_idx
             if trace.top_k[layer] != s.top_k:
@@ -552,15 +554,23 @@ class ReplaySession(_SessionDriver):
                 )
             device = _module_device(s.module)
             # the trace's rows are CPU tensors (never modified): moved once per block for a router elsewhere
-            self.rows[layer] = seqs if device.type in ("cpu", "meta") else [t.to(device) for t in seqs]
+            if device.type in ("cpu", "meta"):
+                self.rows[layer] = seqs
+                if [t.shape[0] for t in seqs] == self.lengths:  # (a trace still being built may disagree)
+                    self.flat[layer] = trace.flat_routes(layer)  # the rows are consecutive ranges of it
+            else:
+                self.rows[layer] = [t.to(device) for t in seqs]
         self.free_rows = {layer: trace.has_free_rows(layer) for layer in model_layers}  # "no route" rows
-        self.lengths = trace.sequence_lengths
         self.cursor = [0] * len(self.lengths)
         self.closed = [False] * len(self.lengths)
         self.next_seq = 0
         self.forwards = 0  # forwards of the owner in the block
         self.routed: dict[int, int] = {s.layer_idx: 0 for s in self.sites}  # router calls per layer given routes
         self._plan: list[tuple[int, int, int]] | None = None  # see _assign
+        self._span: tuple[int, int] | None = None  # see _assign
+        self._offsets = [0]  # first row of each sequence in the flat tensors
+        for n in self.lengths:
+            self._offsets.append(self._offsets[-1] + n)
 
     def _assign(self, layout: ForwardLayout) -> None:
         self.forwards += 1
@@ -595,11 +605,20 @@ class ReplaySession(_SessionDriver):
         self._last_seqs = seqs
         # the common compiled case, decided once per forward rather than at every router call: consecutive slices
         # of the token grid, each wholly routed by the trace -> ``(sequence, first row, end row)`` to concatenate
-        self._plan = (
+        plan = self._plan = (
             [(slot.seq, slot.start, slot.start + slot.n) for slot in layout.slots]
             if _contiguous(layout.slots, layout.num_tokens)
             else None
         )
+        # ... and when those are consecutive sequences, each whole but the first's start and the last's end: one
+        # range of the layers' flat tensors (the same for every layer)
+        self._span = None
+        if plan is not None:
+            lengths = self.lengths
+            first, last = plan[0], plan[-1]
+            if all(b[0] == a[0] + 1 and a[2] == lengths[a[0]] and b[1] == 0 for a, b in zip(plan, plan[1:])):
+                offset = self._offsets[first[0]]
+                self._span = (offset + first[1], self._offsets[last[0]] + last[2])
 
     def _forced(self, site: RouterSite, num_tokens: int) -> torch.Tensor:
         return self._forced_rows(site, num_tokens)[0]
@@ -675,6 +694,13 @@ class ReplaySession(_SessionDriver):
             # fast path, once per router call of a compiled forward: every row is a route of the trace (no -1 to
             # merge with the natural choice), one new tensor (never the trace's storage: the graph owns it)
             self.routed[layer] += 1
+            span = self._span
+            flat = self.flat.get(layer)
+            if span is not None and flat is not None:
+                forced = flat[span[0] : span[1]].clone()
+                if forced.device == natural.device:
+                    return forced
+                return forced.to(natural.device)
             rows = self.rows[layer]
             if len(plan) == 1:
                 seq, start, end = plan[0]
