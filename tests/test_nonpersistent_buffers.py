@@ -4,7 +4,6 @@ computes after ``from_pretrained``: Transformers builds on ``meta`` and re-creat
 
 import pytest
 import torch
-import torch.nn as nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -103,10 +102,12 @@ def test_from_config_and_patch_model_give_init_values(checkpoint):
         assert model.model.layers[1].self_attn.scale.tolist() == [2.0, 3.0, 4.0, 5.0]
 
 
-def test_replacement_without_own_buffers_is_untouched(checkpoint):
-    class Plain(LlamaAttention):
-        pass
+def test_a_quantized_load_gives_init_values(checkpoint):
+    from quantization_support import quantization_config
 
-    with apply_patches({"LlamaAttention": Plain}):
-        model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    assert isinstance(model.model.layers[0].self_attn, nn.Module) and type(model.model.layers[0].self_attn) is Plain
+    with apply_patches({"LlamaAttention": Scaled}):
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, quantization_config=quantization_config("torchao-int8")
+        )
+    assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Int8Tensor"
+    assert model.model.layers[1].self_attn.scale.tolist() == [2.0, 3.0, 4.0, 5.0]
