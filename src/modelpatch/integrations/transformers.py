@@ -36,6 +36,7 @@ from types import ModuleType
 import torch.nn as nn
 
 from ..conversion import hooks as conversion_hooks
+from ..conversion.buffers import restore_nonpersistent_buffers
 from ..conversion.saving import (
     bind_conversion_rules,
     needs_quantized_original_layout,
@@ -96,8 +97,12 @@ def _build_wrapper(name: str, original):
                 model = original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
             if isinstance(model, nn.Module):  # output_loading_info=True returns a tuple
                 restore_pending_initial_values(model)
+                if name == "from_pretrained":
+                    restore_nonpersistent_buffers(model)
             elif isinstance(model, tuple) and model and isinstance(model[0], nn.Module):
                 restore_pending_initial_values(model[0])
+                if name == "from_pretrained":
+                    restore_nonpersistent_buffers(model[0])
             return model
         finally:
             _TP_PLAN.reset(tp_token)
