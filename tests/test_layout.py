@@ -41,7 +41,8 @@ ALLOWED = {
         "routing",
         "blocks",
     },
-    "recipes": {"errors", "undo", "patching", "conversion", "blocks", "instances"},
+    # recipes give the tensor-parallel plan of their modules in integrations.tensor_parallel's styles
+    "recipes": {"errors", "undo", "patching", "conversion", "blocks", "instances", "integrations"},
     "dev": {"errors", "versions"},
     "cli": {
         "errors",

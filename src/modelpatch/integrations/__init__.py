@@ -17,6 +17,9 @@ imported: :class:`modelpatch.lazy_imports.PostImportHook`).
 ``trainer``       ``transformers.Trainer``'s ``optimizer.pt`` in the original layout for patched models, converted on
                   resume (wrappers of ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``, installed
                   when ``transformers.trainer`` is imported)
+``tensor_parallel``  ``from_pretrained(..., tp_plan=...)`` of patched models: each replacement's own plan
+                  (``modelpatch_tp_plan``) replaces the original's entries, two parallel styles for fused QKV, and
+                  the refusals (:class:`~.tensor_parallel.TensorParallelError`) of what cannot be split exactly
 ``trl``           :class:`~.trl.RoutingReplayGRPOTrainer`, GRPO with MoE routing replay (``pip install
                   "modelpatch[trl]"``; imported only when used)
 """

@@ -284,9 +284,7 @@ def _names_no_known_class(key: str) -> bool:
 
     if not unknown():
         return False
-    from .scopes import refresh_catalog  # remote code imported since the catalogue's last look (scopes import us)
-
-    refresh_catalog()
+    CATALOG.refresh_if_stale()  # remote code imported since the catalogue's last look
     return unknown()
 
 
