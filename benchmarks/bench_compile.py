@@ -9,15 +9,19 @@ interleaved rounds after warm-up (the compile itself is not timed):
   ``record_routing`` and inside ``replay_routing`` (a block per forward, enter/exit included) vs the compiled
   plain forward. Targets: record <= 1.05x, replay <= 1.02x. Both blocks reuse one graph compiled on the first block (recompiles printed).
 
-Prints wall-clock and process-CPU-time medians and their ratios, the median of the per-round CPU ratios (paired, the
-least sensitive to other processes on the machine; use ``--threads 1``), graph breaks and recompiles.
+Each variant runs once per round, rounds interleaved with the order rotated. Prints wall-clock and process-CPU-time
+medians and, against the compiled baseline of the same round, the median of the per-round ratios ("paired") with
+their quartiles: the CPU ratio is the least sensitive to other processes on the machine (use ``--threads 1``); the
+quartiles show how noisy the run was. An A/A control row (the baseline again, as its own variant) shows the noise
+floor and would show a bias of the method (its median should be 1.000). Then graph breaks and recompiles.
 
-    python benchmarks/bench_compile.py [--tokens 128] [--rounds 15] [--threads N] [--only qkv|routing]
+    python benchmarks/bench_compile.py [--tokens 128] [--rounds 41] [--threads N] [--only qkv|routing]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -50,10 +54,9 @@ class _Counting:
         return sum(1 for _, n in self.ids if n)
 
 
-def _time(variants: dict, rounds: int) -> dict[str, tuple[float, float, list[float]]]:
-    """Per variant: median wall time, median process-CPU time, and the CPU time of each round. The variants run
-    once per round, in an order rotated each round, so that load changes and the slot after another variant hit
-    every variant alike."""
+def _time(variants: dict, rounds: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Per variant: the wall time and the process-CPU time of each round. The variants run once per round, in an
+    order rotated each round, so that load changes and the slot after another variant hit every variant alike."""
     walls: dict[str, list[float]] = {k: [] for k in variants}
     cpus: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
@@ -63,18 +66,35 @@ def _time(variants: dict, rounds: int) -> dict[str, tuple[float, float, list[flo
             variants[name]()
             walls[name].append(time.perf_counter() - w)
             cpus[name].append(time.process_time() - c)
-    return {k: (statistics.median(walls[k]), statistics.median(cpus[k]), cpus[k]) for k in variants}
+    return {k: (walls[k], cpus[k]) for k in variants}
 
 
-def _table(title: str, results: dict[str, tuple[float, float, list[float]]], base: str) -> None:
-    """Ratios to ``base``: of the wall and CPU medians, and the median of the per-round CPU ratios ("paired": each
-    round's variant against the same round's base, which cancels load that changes between rounds)."""
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def _table(title: str, results: dict[str, tuple[list[float], list[float]]], base: str) -> None:
+    """Per variant: wall and CPU medians, and the median of the per-round ratios to ``base`` ("paired": each round's
+    variant against the same round's base, which cancels load that changes between rounds) with their quartiles
+    (the spread). A variant that runs exactly what ``base`` runs (an A/A control) shows the noise floor and any
+    bias of the method: its paired ratios should centre on 1.000."""
     print(title)
-    print(f"{'variant':40s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s} {'paired':>7s}")
-    bw, bc, bcs = results[base]
-    for name, (w, c, cs) in results.items():
-        paired = statistics.median(x / b for x, b in zip(cs, bcs))
-        print(f"{name:40s} {w * 1e3:9.2f} {w / bw:7.3f}x {c * 1e3:9.2f} {c / bc:7.3f}x {paired:6.3f}x")
+    print(
+        f"{'variant':40s} {'wall ms':>8s} {'cpu ms':>8s} {'paired cpu ratio [q1, q3]':>27s} "
+        f"{'paired wall ratio [q1, q3]':>27s}"
+    )
+    bw, bc = results[base]
+    for name, (ws, cs) in results.items():
+        cols = []
+        for xs, bs in ((cs, bc), (ws, bw)):
+            q1, q2, q3 = _quartiles([x / b for x, b in zip(xs, bs)])
+            cols.append(f"{q2:7.3f}x [{q1:.3f}, {q3:.3f}]")
+        print(
+            f"{name:40s} {statistics.median(ws) * 1e3:8.2f} {statistics.median(cs) * 1e3:8.2f} "
+            f"{cols[0]:>27s} {cols[1]:>27s}"
+        )
+    print(f"load average (1 min) after: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 
 
 def bench_qkv(tokens: int, rounds: int) -> None:
@@ -116,7 +136,11 @@ def bench_qkv(tokens: int, rounds: int) -> None:
 
         return run
 
-    variants = {"compiled vanilla fwd+bwd": step("vanilla"), "compiled llama-fused-qkv fwd+bwd": step("fused")}
+    variants = {
+        "compiled vanilla fwd+bwd": step("vanilla"),
+        "compiled vanilla fwd+bwd (A/A control)": step("vanilla"),
+        "compiled llama-fused-qkv fwd+bwd": step("fused"),
+    }
     for fn in variants.values():  # compile + warm-up
         fn()
         fn()
@@ -166,6 +190,7 @@ def bench_routing(tokens: int, rounds: int) -> None:
 
     variants = {
         "compiled plain forward": plain,
+        "compiled plain forward (A/A control)": plain,
         "compiled + record_routing": record,
         "compiled + replay_routing": replay,
     }
@@ -191,7 +216,7 @@ def bench_routing(tokens: int, rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     parser.add_argument("--only", choices=("qkv", "routing"), help="run one of the two benchmarks")
     args = parser.parse_args()

@@ -24,6 +24,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    TrainerCallback,
 )
 
 TINY = dict(
@@ -192,3 +193,154 @@ class Inert(nn.Module):
 def modelpatch_records(caplog, level: int) -> list[str]:
     """The messages modelpatch's own logger emitted at exactly ``level`` (``caplog`` is pytest's fixture)."""
     return [r.getMessage() for r in caplog.records if r.name == "modelpatch" and r.levelno == level]
+
+
+# ---- 2-process runs (torchrun / accelerate launch) and their Trainer setup ----
+
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+"""Environment every 2-process launch of the suite adds (one thread per process: the machine has 2 cores)."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for ``--main_process_port``)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(script) -> list[str]:
+    """``torchrun --standalone --nproc_per_node 2 script`` as a command of this interpreter."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+
+
+def accelerate_command(*options: str) -> list[str]:
+    """``accelerate launch --num_processes 2 --num_machines 1 *options`` (no mixed precision, no dynamo, a free
+    port) as a command of this interpreter; the script and its arguments follow."""
+    import sys
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", *options, "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return command + ["--main_process_port", str(free_port())]
+
+
+def launch(command: list[str], timeout: float, env: dict | None = None, log=None) -> str:
+    """Run a 2-process launch ``command`` (its own session) with :data:`LAUNCH_ENV` and ``env`` added, the
+    modelpatch this process imported first on ``PYTHONPATH``; the whole process group (launcher and workers) is killed
+    after ``timeout`` seconds. Returns what went wrong (exit code or timeout, with the end of the output), empty
+    when nothing did; ``log`` (a path): where to write the whole output (the workers' tracebacks of errors they
+    report to the test)."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    import modelpatch
+
+    full_env = {**os.environ, **LAUNCH_ENV, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(modelpatch.__file__).parents[1]), full_env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.Popen(
+        command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return f"{command[2:]} killed after {timeout} s:\n{stderr.decode()[-5000:]}"
+    if log is not None:
+        Path(log).write_bytes(stdout + b"\n" + stderr)
+    if proc.returncode != 0:
+        return f"{command[2:]} exit code {proc.returncode}:\n{stdout.decode()[-2000:]}{stderr.decode()[-6000:]}"
+    return ""
+
+
+def accelerate_state_without_gpu(engine: str) -> None:
+    """The accelerate workaround of the suite's 2-process Trainer runs on a machine without a GPU (accelerate 1.15
+    and 1.16), in one place; call it in each worker process before ``TrainingArguments`` (which must then get
+    ``accelerator_config={"use_configured_state": True}``: :func:`distributed_training_arguments`).
+
+    * ``"deepspeed"``: ``AcceleratorState`` falls back to its CPU branch and reports a world size of 1 under
+      DeepSpeed, so the Trainer's ``train_batch_size`` check fails against DeepSpeed's own count of 2. Building the
+      distributed ``PartialState`` with gloo first, with ``ACCELERATE_USE_DEEPSPEED=true``, works around it.
+    * ``"fsdp"``: ``AcceleratorState`` switches to ``DistributedType.FSDP`` (and builds the FSDP plugin from
+      ``accelerate launch``'s environment) only from a multi-accelerator type (``MULTI_GPU``, ``MULTI_XPU``, ...),
+      never from ``MULTI_CPU``, and without ``cpu=True`` a ``PartialState`` on a machine without an accelerator is
+      ``DistributedType.NO`` even with 2 processes: the Trainer would train unsharded, each rank on its own. The
+      ``PartialState`` is built on the CPU with gloo and its shared type set to ``MULTI_GPU`` (its device stays
+      the CPU), so ``AcceleratorState`` takes its FSDP branch as on a GPU machine.
+    """
+    import os
+
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    if engine == "deepspeed":
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+    elif engine == "fsdp":
+        assert os.environ.get("ACCELERATE_USE_FSDP") == "true", "launch with accelerate launch --use_fsdp"
+        state = PartialState(cpu=True, backend="gloo")
+        assert state.distributed_type == DistributedType.MULTI_CPU and state.num_processes == 2, state
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    else:
+        raise ValueError(f"engine {engine!r}: 'deepspeed' or 'fsdp'")
+
+
+def distributed_training_arguments(output_dir: str, **kwargs):
+    """``TrainingArguments`` of the suite's 2-process Trainer runs (after :func:`accelerate_state_without_gpu`):
+    one sequence per rank and step, SGD at a constant learning rate without gradient clipping, a checkpoint after
+    every step, seeds 0, no reporting; ``kwargs`` override or add."""
+    from transformers import TrainingArguments
+
+    defaults = dict(
+        per_device_train_batch_size=1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=100,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        max_grad_norm=0.0,
+        report_to=[],
+        disable_tqdm=True,
+        accelerator_config={"use_configured_state": True},
+    )
+    return TrainingArguments(output_dir=output_dir, **{**defaults, **kwargs})
+
+
+def in_order_trainer(model, args, train_dataset, **kwargs):
+    """A ``transformers.Trainer`` that takes the rows in order: step ``s`` of a 2-process run is rows ``2s`` (rank
+    0) and ``2s + 1`` (rank 1), as one process's batch of 2."""
+    from transformers import Trainer
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    return InOrder(model=model, args=args, train_dataset=train_dataset, **kwargs)
+
+
+class StepCounter(TrainerCallback):
+    """A Trainer callback counting the steps run in this process and recording the step a run started at (after a
+    resume: the checkpoint's)."""
+
+    def __init__(self) -> None:
+        self.started_at: int | None = None
+        self.run = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started_at = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.run += 1
+
+    def as_dict(self, trainer) -> dict:
+        return {"started_at": self.started_at, "run": self.run, "global_step": trainer.state.global_step}

@@ -124,6 +124,46 @@ def test_a_router_that_picks_other_experts_fails_the_routing_check(cache, tmp_pa
     )
 
 
+TOPK_WITHOUT_TORCH_TOPK = """
+import torch
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+class OtherTopKRouter(Qwen2MoeTopKRouter):
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        {choice}
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+PATCH_MAPPING = {{"Qwen2MoeTopKRouter": OtherTopKRouter}}
+"""
+
+
+@pytest.mark.parametrize(
+    "choice, status",
+    [
+        ("top, idx = [t[:, : self.top_k] for t in probs.sort(dim=-1, descending=True)]", "ok"),
+        ("top, idx = torch.topk(-probs, self.top_k, dim=-1, largest=False); top = -top", "ok"),
+        ("top, idx = [t[:, : self.top_k] for t in probs.sort(dim=-1)]", "FAIL"),  # the k *least* likely experts
+    ],
+)
+def test_a_router_without_torch_topk_is_judged_by_the_experts_it_returns(choice, status, cache, tmp_path, capsys):
+    # the record finds no torch.topk in these routers ("saw 0"): a correct one must not fail, a wrong one must
+    patches = tmp_path / "other_topk.py"
+    patches.write_text(TOPK_WITHOUT_TORCH_TOPK.format(choice=choice))
+    code, report = run_json(capsys, ["verify", "--patches", str(patches), "--checks", "routing", "--no-progress"])
+    routing = report["paths"][0]
+    assert routing["status"] == status and code == (0 if status == "ok" else 1), routing
+    assert "expert ids read from the routers' outputs" in routing["detail"]
+    if status == "ok":
+        assert routing["detail"].startswith("the same experts for all 20 tokens x 2 MoE layers")
+    else:
+        assert routing["figure"] == 1.0 and routing["first_divergence"] == {"row": 0, "token": 0, "layer": 0}
+
+
 def test_example_checkpoint_is_deterministic(cache, tmp_path, monkeypatch):
     first = example_checkpoint()
     monkeypatch.setenv("MODELPATCH_CACHE", str(tmp_path))
@@ -246,6 +286,15 @@ def test_recipes_lists_no_recipe_the_support_table_measured_inexact(capsys):
             ["explain", "--model-type", "no_such_type", "--recipe", "bert-fused-qkv"],
             "unknown model type 'no_such_type'",
         ),
+        # a misspelled model type gets the closest known ones, in every subcommand taking --model-type
+        (
+            ["explain", "--model-type", "lama", "--recipe", "llama-fused-qkv"],
+            "unknown model type 'lama': did you mean 'llama' or 'mllama' or 'llama4'?",
+        ),
+        (
+            ["convert", MINILM_DIR, "{out}", "--model-type", "lama", "--recipe", "bert-fused-qkv"],
+            "unknown model type 'lama': did you mean 'llama' or 'mllama' or 'llama4'?",
+        ),
         (["explain", "--model-type", "bert", "--patches", "{invalid}"], "invalid patches: "),
         (
             ["explain", "--model-type", "laguna", "--recipe", "laguna-linear-experts"],
@@ -260,7 +309,7 @@ def test_one_line_errors(argv, message, tmp_path, capsys):
     invalid, empty = tmp_path / "invalid.py", tmp_path / "empty.py"
     invalid.write_text("PATCH_MAPPING = {'BertSelfAttention': 42}\n")  # not an nn.Module subclass
     empty.write_text("X = 1\n")
-    files = {"{raising}": raising, "{invalid}": invalid, "{empty}": empty}
+    files = {"{raising}": raising, "{invalid}": invalid, "{empty}": empty, "{out}": tmp_path / "out"}
     argv = [str(files.get(a, a)) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -332,12 +381,44 @@ def test_explain_reports_container_conflict_and_unmatched_key(tmp_path, capsys):
     assert report["replaced"][".*Attention"] == {"BertAttention -> FusedQKVBertSelfAttention": 12}
     assert report["unmatched_keys"] == ["BertAtention"]
     assert report["problems"]["patches"] == [
-        "keys that replaced nothing: ['BertAtention']",
+        f"keys that replaced nothing: ['BertAtention']; 'BertAtention': no module class of Transformers "
+        f"{transformers.__version__} is named so; did you mean 'BertAttention'?",
         "2 container/inner conflict(s)",
     ]
     assert len(report["conflicts"]) == 2
     assert all("container BertAttention" in c for c in report["conflicts"])
     assert any("BertSelfAttention" in c for c in report["conflicts"])
+
+
+@pytest.mark.parametrize("command", ["explain", "verify"])
+def test_a_key_far_from_any_class_is_named_with_the_closest_classes(command, tmp_path, capsys):
+    # 'LlamaAttn' and 'FooBar' are far from any class: the CLI said only "replaced nothing", with no "did you mean"
+    patches = tmp_path / "far.py"
+    patches.write_text(
+        "from transformers.models.llama.modeling_llama import LlamaMLP\n"
+        "class MyMLP(LlamaMLP):\n    pass\n"
+        "PATCH_MAPPING = {'LlamaAttn': MyMLP, 'FooBar': MyMLP, 'LlamaMLP': MyMLP}\n"
+    )
+    where = ["--model-type", "llama"] if command == "explain" else ["--model", str(tmp_path / "llama")]
+    if command == "verify":
+        from transformers import LlamaForCausalLM
+
+        from helpers import save_tiny, tiny_llama_config
+
+        save_tiny(LlamaForCausalLM, tiny_llama_config(), tmp_path / "llama")
+        where += ["--checks", "padding", "--no-progress"]
+    code, report = run_json(capsys, [command, *where, "--patches", str(patches)])
+    words = (
+        f"keys that replaced nothing: ['LlamaAttn', 'FooBar']; 'LlamaAttn': no module class of Transformers "
+        f"{transformers.__version__} is named so; did you mean 'LlamaAttention'?; 'FooBar': no module class of "
+        f"Transformers {transformers.__version__} is named so"
+    )
+    assert code == 1
+    if command == "explain":
+        assert report["problems"]["patches"] == [words]
+    else:
+        check = next(c for c in report["checks"] if c["name"] == "patches")
+        assert check["detail"] == f"2 module(s) replaced; {words}" and check["ok"] is False
 
 
 def test_convert_forward_then_reverse_is_bit_exact(tmp_path, capsys):

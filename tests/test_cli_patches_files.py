@@ -364,7 +364,7 @@ def test_attention_that_mishandles_the_kv_cache_fails_the_cache_check(name, llam
     assert dynamic["status"] == static["status"] == "FAIL" and not checks["cache (dynamic)"]["ok"]
     if name == "ignores past_key_values":
         # the dynamic cache holds the tokens fed (the last new token is not)
-        assert dynamic["detail"] == "prefill: layer 0 keys not cached, unpatched (2, 2, 13, 16)"
+        assert dynamic["detail"] == "prefill: layer 0 keys not cached, unpatched (2, 2, 12, 16)"
         assert dynamic["first_divergence"] == {"layer": 0, "step": 0}
         # a static cache never written: the decode step's mask (the whole cache) does not fit its keys
         assert static["detail"].startswith("the patched model's generate fails with a static cache: RuntimeError: ")
@@ -374,6 +374,66 @@ def test_attention_that_mishandles_the_kv_cache_fails_the_cache_check(name, llam
             assert cache["detail"].endswith("; first: row 0, token 1, layer 0")
             assert cache["first_divergence"] == {"row": 0, "token": 1, "layer": 0, "step": 0}
             assert cache["figure"] > 0.01
+
+
+def test_a_cache_corrupted_by_a_decode_step_is_blamed_on_that_step(llama, tmp_path, capsys):
+    """A decode step that overwrites the prompt's first cached keys: the cache compared after decoding was labelled
+    "prefill" (its position is a prompt token), though the prefill's cache was right. Each step's cache is compared
+    as that step left it."""
+    patches = write(
+        tmp_path / "decode_corrupts.py",
+        """
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        class DecodeCorrupts(LlamaAttention):
+            def forward(self, hidden_states, *args, **kwargs):
+                out = super().forward(hidden_states, *args, **kwargs)
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))  # the name of Transformers >= 5.24, 5.23
+                if hidden_states.shape[1] == 1 and self.layer_idx == 1:
+                    cache.layers[1].keys[:, :, :4] += 1.0  # after the step's attention: its logits are exact
+                return out
+
+        PATCH_MAPPING = {"LlamaAttention": DecodeCorrupts}
+        """,
+    )
+    argv = ["verify", "--model", llama, "--patches", patches, "--no-progress", "--checks", "cache"]
+    code, report = run_json(capsys, [*argv, "--new-tokens", "2"])
+    assert code == 1
+    for cache in report["paths"]:
+        assert cache["detail"].startswith("decode step 1: layer 1 keys differ by "), cache
+        assert cache["first_divergence"] == {"row": 0, "token": 0, "layer": 1, "step": 1}
+
+
+def test_a_hybrid_models_linear_attention_state_is_compared_and_named(tmp_path, capsys):
+    """Qwen3-Next (linear attention, then attention): a patch whose linear attention caches a wrong conv state
+    (its own output right) was blamed on the next attention layer's keys at decode step 1; every state the cache
+    holds is compared now, and the first diverging one is named: layer 0's conv state, written by the prefill."""
+    from routing_models import tiny_model
+
+    tiny_model("qwen3_next").save_pretrained(tmp_path / "qwen3_next")
+    patches = write(
+        tmp_path / "bad_conv_state.py",
+        """
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+        class BadConvState(Qwen3NextGatedDeltaNet):
+            def forward(self, hidden_states, cache_params=None, **kwargs):
+                out = super().forward(hidden_states, cache_params=cache_params, **kwargs)
+                if cache_params is not None and hidden_states.shape[1] > 1:
+                    cache = cache_params
+                    cache.layers[self.layer_idx].conv_states[0].mul_(1.5)
+                return out
+
+        PATCH_MAPPING = {"Qwen3NextGatedDeltaNet": BadConvState}
+        """,
+    )
+    argv = ["verify", "--model", str(tmp_path / "qwen3_next"), "--patches", patches, "--no-progress"]
+    capsys.readouterr()  # what the save printed (DeepSpeed logs to stdout when a save first imports it)
+    code, report = run_json(capsys, [*argv, "--checks", "cache", "--new-tokens", "2"])
+    assert code == 1
+    dynamic = {p["name"]: p for p in report["paths"]}["cache (dynamic)"]
+    assert dynamic["detail"].startswith("prefill: layer 0 conv_states[0] differ by "), dynamic
+    assert dynamic["first_divergence"] == {"row": 0, "layer": 0, "step": 0}
 
 
 def test_attention_that_raises_on_decode_steps_fails_not_crashes(llama, tmp_path, capsys):
@@ -607,6 +667,9 @@ def test_explain_fails_what_verify_fails_in_the_same_words(case, llama, tmp_path
         assert plan["mismatched_keys"][0] == {
             "key": "model.layers.0.self_attn.o_proj.weight", "checkpoint_shape": [64, 64], "model_shape": [72, 64]
         }  # fmt: skip
+        # the JSON's "loading" carries the failure (it was {}): the key and both shapes
+        assert report["loading"]["failed"] is True and report["loading"]["mismatched_keys"] == plan["mismatched_keys"]
+        assert report["loading"]["error"].startswith("RuntimeError: ")  # Transformers' own words
         skipped = {name: c["detail"] for name, c in checks.items() if c["status"] == "skipped"}
         assert skipped == dict.fromkeys(["provenance", "outputs", "round trip"], "the patched load failed")
     assert get_patch_mapping() == {} and user_conversion_names() == set()
@@ -628,6 +691,38 @@ def test_explain_lists_the_rules_of_a_sub_model(llama, tmp_path, capsys):
     assert code == 0 and plan["problems"] == {"patches": [], "loading": []}
     [rule] = plan["conversion_rules"]
     assert rule["registered_as"] == "LlamaModel" and len(rule["checkpoint_keys"]) == 12  # q/k/v x weight/bias x 2
+
+
+WRONG_MODEL_TYPE = """
+from modelpatch.conversion import Concatenate, WeightConverter
+from modelpatch.recipes.fused_qkv import FusedQKVLlamaAttention
+PATCH_MAPPING = {"LlamaAttention": FusedQKVLlamaAttention}
+CONVERSION_RULES = {"mistral": [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"],
+                                                operations=[Concatenate(dim=0)])]}
+"""
+OTHER_TYPE = (
+    "conversion rules are registered for 'mistral' and none for the checkpoint's model type 'llama': they never "
+    "apply to it (register them under 'llama')"
+)
+
+
+@pytest.mark.parametrize("command", ["explain", "verify", "convert"])
+def test_rules_registered_for_another_model_type_are_named(command, llama, tmp_path, capsys):
+    """Rules registered under a real but wrong model type ('mistral' for a llama checkpoint) never apply: every
+    command said only what followed (missing/unexpected keys, 'no conversion rules in effect'), naming neither."""
+    patches = write(tmp_path / "wrong_model_type.py", WRONG_MODEL_TYPE)
+    if command == "convert":
+        assert one_line_error(capsys, ["convert", llama, str(tmp_path / "out"), "--patches", patches]).endswith(
+            f"; {OTHER_TYPE}"
+        )
+        return
+    argv = [command, "--model", llama, "--patches", patches]
+    code, report = run_json(capsys, argv + (["--no-progress", "--checks", "none"] if command == "verify" else []))
+    assert code == 1 and report["rules_of_other_model_types"] == OTHER_TYPE
+    if command == "explain":
+        assert report["problems"]["loading"][-1] == OTHER_TYPE
+    else:
+        assert {c["name"]: c for c in report["checks"]}["loading"]["detail"].endswith(f"; {OTHER_TYPE}")
 
 
 # -- defect: tracebacks instead of one-line errors ------------------------------------------------------------------

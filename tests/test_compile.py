@@ -23,7 +23,7 @@ from helpers import tiny_bert_config, tiny_qwen2_moe_config, tiny_qwen3_moe_conf
 from modelpatch.errors import ModelpatchValueError
 from modelpatch.recipes import get_recipe
 from modelpatch.recipes.linear_experts import LinearExperts
-from modelpatch.routing import RoutingTrace, record_routing, replay_routing
+from modelpatch.routing import RoutingDriftMeter, RoutingReplayError, RoutingTrace, record_routing, replay_routing
 from recipes_support import CASES, randomize_
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "compile_fused_qkv.py")
@@ -356,6 +356,42 @@ def test_record_and_replay_on_a_model_compiled_before_the_blocks():
     # one recompile, when the first block drives the routers (record and replay share that graph); none per block
     # or per forward, and the plain graph is still cached
     assert rec.recompiles == 1, rec.ids
+
+
+@pytest.mark.slow
+def test_compiled_replay_of_one_sequence_and_with_a_drift_meter():
+    # one sequence per forward (its trace rows handed to the graph as one copy) and a drift meter (the general
+    # path, comparing the live router's choice): as in eager
+    model = _moe()
+    ids = _IDS[1][:1]
+    with record_routing(model) as want:
+        model(input_ids=ids)
+    shifted = _shifted(want, model)
+    compiled = torch.compile(model, backend=Recorder(), fullgraph=True)
+    results = []
+    for fn in (model, compiled):
+        with replay_routing(model, shifted):
+            logits = fn(input_ids=ids).logits
+        meter = RoutingDriftMeter()
+        with replay_routing(model, shifted, drift=meter):
+            drifted = fn(input_ids=ids).logits
+        results.append((logits, drifted, meter.result()))
+    (eager, eager_drifted, eager_drift), (got, got_drifted, got_drift) = results
+    assert (got - eager).abs().max() < 1e-5 and (got_drifted - eager).abs().max() < 1e-5
+    assert (eager_drifted - eager).abs().max() == 0
+    assert (got - model(input_ids=ids).logits).abs().max() > 1e-3  # the shifted routes were forced
+    assert got_drift == eager_drift and got_drift.router_disagreement_rate == 1.0  # every route shifted
+    # a batch taking the first 5 of 7 routes of two sequences (slices of each, not one range): as in eager, and the
+    # routes left over are refused at the end of the block either way
+    with record_routing(model) as both:
+        model(input_ids=_IDS[1])
+    partial = []
+    for fn in (model, compiled):
+        with pytest.raises(RoutingReplayError, match="leftover"), replay_routing(model, _shifted(both, model)):
+            partial.append(fn(input_ids=_IDS[1][:, :5]).logits)
+    assert (partial[1] - partial[0]).abs().max() < 1e-5
+    assert (partial[0] - model(input_ids=_IDS[1][:, :5]).logits).abs().max() > 1e-3
+    assert _breaks() == 0
 
 
 @pytest.mark.slow

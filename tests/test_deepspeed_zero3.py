@@ -33,16 +33,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import modelpatch
+import helpers
 import zero3_dist_worker as worker
 
 LAUNCH_TIMEOUT = 300  # seconds per launch (measured 25-40 s, the resume launch 20-30 s, once DeepSpeed's CPU op is built; building it: ~3 min on 2 cores)
@@ -83,22 +79,9 @@ def _launch(out: Path) -> str:
 
 
 def _torchrun(out: Path, phases: list[str]) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(Path(__file__).with_name("zero3_dist_worker.py")), str(out / "checkpoints.json"), str(out)]
-    command += [",".join(phases)]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
-    # the workers import the modelpatch this process imported
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(modelpatch.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        return f"torchrun {phases} killed after {LAUNCH_TIMEOUT} s:\n{stderr.decode()[-5000:]}"
-    if proc.returncode != 0:
-        return f"torchrun {phases} exit code {proc.returncode}:\n{stdout.decode()[-2000:]}{stderr.decode()[-6000:]}"
-    return ""
+    command = helpers.torchrun_command(Path(__file__).with_name("zero3_dist_worker.py"))
+    command += [str(out / "checkpoints.json"), str(out), ",".join(phases)]
+    return helpers.launch(command, LAUNCH_TIMEOUT, env={"DS_ACCELERATOR": "cpu"})
 
 
 @pytest.mark.slow

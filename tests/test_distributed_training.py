@@ -34,10 +34,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -45,6 +41,7 @@ import pytest
 import torch
 from filelock import FileLock
 
+import helpers
 import train_dist_worker as worker
 import training_parity as tp
 
@@ -170,28 +167,13 @@ def test_routing_replay_under_distributed_wrappers(worker_results, wrapper):
     assert sum(r["idle_here_hit_elsewhere"] for r in ranks) >= 1, ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(model: str, out: Path, phases: str) -> None:
     """``accelerate launch`` of 2 processes running ``phases`` of tests/trainer_dist_worker.py; the whole process
     group (launcher and workers) is killed after ``LAUNCH_TIMEOUT``."""
     script = Path(__file__).with_name("trainer_dist_worker.py")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += ["--main_process_port", str(_free_port()), str(script), model, str(out), phases]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="true")
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"accelerate launch {phases} killed after {LAUNCH_TIMEOUT} s:\n{stderr.decode()[-5000:]}")
-    assert proc.returncode == 0, stdout.decode()[-2000:] + stderr.decode()[-6000:]
+    command = helpers.accelerate_command("--multi_gpu") + [str(script), model, str(out), phases]
+    failed = helpers.launch(command, LAUNCH_TIMEOUT, env={"ACCELERATE_USE_CPU": "true"})
+    assert not failed, failed
 
 
 @pytest.mark.slow

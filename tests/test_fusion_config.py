@@ -243,6 +243,10 @@ def test_explain_lists_transformers_fusions_and_the_conflicts(checkpoint):
         "model.visual.patch_embed: PatchEmbed is replaced by the recipe (_PatchEmbed) and fused by Transformers' "
         "'patch_embeddings': a load with fusion_config refuses it"
     ]
+    # counted as what it is: a fusion conflict, not a container/inner one (a fresh-user finding)
+    assert report["problems"]["patches"] == [
+        "1 fusion conflict(s) (a class replaced by the patch and fused by Transformers)"
+    ]
     with pytest.raises(CliError, match="Unknown fusion type: qkv"):
         explain(recipe, model_dir=str(checkpoint), fusion_config={"qkv": True})
     assert _upstream_state() == before  # a dry run: nothing of Transformers discovered or registered

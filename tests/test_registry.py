@@ -175,27 +175,39 @@ def test_register_then_unregister_restores_registry(entries):
 
 
 def test_a_misspelled_class_name_is_named_with_the_closest_at_registration(caplog):
-    """A key spelled like a Transformers class but naming none ('LlamaAtention') replaces nothing; registration
-    names it with the closest class name, and strict (the argument or registry-wide strict mode) refuses it, the
-    registry unchanged (issue 24, item 2). Known classes, patterns and names like no known class (remote code may
-    define them later; builds judge those) are registered quietly."""
+    """A key that names (or, a pattern, matches) no module class of Transformers replaces nothing: registration names
+    it, with the closest class names when any are close, and strict (the argument or registry-wide strict mode)
+    refuses it, the registry unchanged (issue 24, item 2). A near miss ('LlamaAtention') and a key far from any class
+    ('LlamaAttn', 'FooBar': a fresh-user finding, registered quietly before) alike. Known classes and patterns that
+    match one are registered quietly."""
     import logging
 
     from modelpatch import UnmatchedPatchKeyError, set_strict_patching
 
     with caplog.at_level(logging.WARNING, logger="modelpatch"):
-        register_patch_mapping({"LlamaAttention": A, ".*MLP$": B, "TinyRemoteBlock": C})
+        register_patch_mapping({"LlamaAttention": A, ".*MLP$": B})
         assert not caplog.records
-        register_patch_mapping({"LlamaAtention": A, "Qwen2MoeExpert": B})
+        register_patch_mapping({"LlamaAtention": A, "Qwen2MoeExpert": B, "LlamaAttn": C, "FooBar": C, ".*Atention$": C})
+    never = "The key replaces nothing unless remote code loaded later defines"
     assert [r.getMessage() for r in caplog.records] == [
-        f"modelpatch: patch key {key!r} names no module class of the installed Transformers {transformers_version} "
-        f"nor of loaded remote code: did you mean {close!r}? The key replaces nothing unless remote code loaded later "
-        "defines that class"
-        for key, close in (("LlamaAtention", "LlamaAttention"), ("Qwen2MoeExpert", "Qwen2MoeExperts"))
+        *(
+            f"modelpatch: patch key {key!r} names no module class of the installed Transformers {transformers_version} "
+            f"nor of loaded remote code{close} {never} that class"
+            for key, close in (
+                ("LlamaAtention", ": did you mean 'LlamaAttention'?"),
+                ("Qwen2MoeExpert", ": did you mean 'Qwen2MoeExperts'?"),
+                ("LlamaAttn", ": did you mean 'LlamaAttention'?"),
+                ("FooBar", "."),
+            )
+        ),
+        f"modelpatch: patch key '.*Atention$' matches no module class of the installed Transformers "
+        f"{transformers_version} nor of loaded remote code. {never} such a class",
     ]
     before = get_patch_mapping()
     with pytest.raises(UnmatchedPatchKeyError, match=r"'llamamlp'.*did you mean 'LlamaMLP'\? \(class names are case"):
         register_patch_mapping({"LlamaMLP": B, "llamamlp": B}, strict=True)
+    with pytest.raises(UnmatchedPatchKeyError, match=r"'FooBaz' names no module class .*nothing was registered"):
+        register_patch_mapping({"FooBaz": A}, strict=True)
     set_strict_patching(True)
     try:
         with pytest.raises(UnmatchedPatchKeyError, match=r"'GPT2Atention'.*'GPT2Attention'.*nothing was registered"):

@@ -106,3 +106,33 @@ def test_a_version_that_is_no_release_is_one_line(capsys, monkeypatch, tmp_path)
     monkeypatch.chdir(tmp_path)  # not a checkout
     assert main(["5.26.0", "--diff-only"]) == 2
     assert "from a modelpatch source checkout" in capsys.readouterr().err
+
+
+def test_a_partial_run_never_overwrites_the_full_report(capsys, monkeypatch, tmp_path):
+    """``--diff-only`` with the default ``--output`` overwrote ``docs/releases/X.Y.md`` (suite and tables) with the
+    diff alone: it writes ``X.Y-upstream.md`` now; ``--no-suite`` refuses (exit 2, before anything runs) to replace a
+    report holding a suite section; an explicit ``--output`` is written as asked."""
+    (tmp_path / "constraints").mkdir()
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / ".ci" / "run").write_text("")
+    releases = tmp_path / "docs" / "releases"
+    releases.mkdir(parents=True)
+    full = "# Transformers 5.26.0\n\n## Suite\n\n`python -m pytest -q -n 2` on 5.26.0: 900 passed\n"
+    (releases / "5.26.md").write_text(full)
+    monkeypatch.chdir(tmp_path)
+    assert main(["5.26.0", "--diff-only", "--against"]) == 0  # no release to diff against: no download
+    assert (releases / "5.26.md").read_text() == full
+    assert "## Upstream changes" in (releases / "5.26-upstream.md").read_text()
+    capsys.readouterr()
+    assert main(["5.26.0", "--venv", str(tmp_path), "--no-tables", "--no-suite", "--against"]) == 2
+    assert capsys.readouterr().err == (
+        f"modelpatch.dev.release: error: {releases / '5.26.md'} holds the sections 'Suite', which this run does not "
+        "write: pass --output FILE to write this partial report elsewhere\n"
+    )
+    assert (releases / "5.26.md").read_text() == full
+    partial = tmp_path / "partial.md"
+    assert (
+        main(["5.26.0", "--venv", str(tmp_path), "--no-tables", "--no-suite", "--against", "--output", str(partial)])
+        == 0
+    )
+    assert partial.read_text().startswith("# Transformers 5.26.0") and (releases / "5.26.md").read_text() == full

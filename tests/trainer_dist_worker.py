@@ -57,21 +57,11 @@ def _load(path: str, patched: bool) -> torch.nn.Module:
 
 
 def _phase(model_dir: str, out: str, phase: str) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
+    import helpers
     import training_parity as tp
     from routing_models import ExpertsObserver
-
-    class Steps(TrainerCallback):
-        def __init__(self) -> None:
-            self.started_at: int | None = None
-            self.steps = 0
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.started_at = state.global_step
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.steps += 1
 
     model = _load(model_dir, phase != "unpatched").train()
     args = TrainingArguments(
@@ -91,7 +81,7 @@ def _phase(model_dir: str, out: str, phase: str) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    steps = Steps()
+    steps = helpers.StepCounter()
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[steps])
     num_experts = model.config.num_experts
     with ExpertsObserver(model) as seen:
@@ -114,7 +104,7 @@ def _phase(model_dir: str, out: str, phase: str) -> None:
                 "wrapper": type(trainer.model_wrapped).__name__,
                 "find_unused_parameters": getattr(trainer.model_wrapped, "find_unused_parameters", None),
                 "started_at": steps.started_at,
-                "steps_run": steps.steps,
+                "steps_run": steps.run,
                 "global_step": trainer.state.global_step,
                 "idle_expert_calls": idle,
                 "checksum": float(sum(v.double().sum() for v in weights.values())),

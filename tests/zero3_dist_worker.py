@@ -19,7 +19,9 @@ ZeRO-3 loader (the normal path of a Trainer run).
   the Trainer checkpoints after each step into ``OUT/trainer/checkpoint-<step>``;
 * ``resume`` (in another launch, after ``train``): the same run resumed from ``OUT/trainer/checkpoint-1`` (a new
   model loaded under ZeRO-3, DeepSpeed's own checkpoint of the engine); rank 0 writes ``OUT/resume-<checkpoint>-<how>.pt``;
-* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`).
+* ``replay``: routing replay through a DeepSpeed engine (:func:`phase_replay`);
+* ``sgd`` / ``sgd-offload``: SGD steps through a DeepSpeed engine, without / with ZeRO-3 ``offload_param`` to
+  the CPU (:func:`phase_sgd`).
 
 :func:`load` (the same code in one process without DeepSpeed) is the reference the test compares with.
 """
@@ -56,25 +58,11 @@ def ds_config() -> dict:
 
 def training_arguments(output_dir: str, **kwargs):
     """``TrainingArguments`` with ZeRO-3 switched on (this is what makes ``from_pretrained`` build under
-    ``deepspeed.zero.Init``).
+    ``deepspeed.zero.Init``), after tests/helpers.py's accelerate workaround for a machine without a GPU."""
+    import helpers
 
-    The accelerate workaround: accelerate 1.15 and 1.16 on a machine without a GPU report a world size of 1 under
-    DeepSpeed (``AcceleratorState`` falls back to its CPU branch, so the Trainer's ``train_batch_size`` check fails
-    against DeepSpeed's own count of 2). Building the distributed ``PartialState`` with gloo first, with
-    ``ACCELERATE_USE_DEEPSPEED=true``, and telling the Trainer to use that configured state works around it."""
-    from accelerate import PartialState
-    from transformers import TrainingArguments
-
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
-    return TrainingArguments(
-        output_dir=output_dir,
-        deepspeed=ds_config(),
-        accelerator_config={"use_configured_state": True},
-        report_to=[],
-        disable_tqdm=True,
-        **kwargs,
-    )
+    helpers.accelerate_state_without_gpu("deepspeed")
+    return helpers.distributed_training_arguments(output_dir, deepspeed=ds_config(), **kwargs)
 
 
 USER_CASES = ("none", "user-qkv-rule", "qkv-without-rule")
@@ -197,38 +185,23 @@ def phase_load(paths: dict, out: str, name: str, recipe: str, args) -> None:
 
 
 def phase_train(paths: dict, out: str, name: str, recipe: str, args, resume: bool = False) -> None:
-    from transformers import Trainer, TrainerCallback
+    import deepspeed
 
+    import helpers
     from modelpatch import iter_original_state_dict
 
-    class InOrder(Trainer):  # rows in order: step s is rows 2s (rank 0) and 2s+1 (rank 1), as one process's batch
-        def _get_train_sampler(self, train_dataset=None):
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    class Steps(TrainerCallback):
-        def __init__(self) -> None:
-            self.started_at, self.run = None, 0
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.started_at = state.global_step
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.run += 1
-
     model = load(paths[name], recipe).train()
-    steps = Steps()
-    trainer = InOrder(model=model, args=args, train_dataset=Tokens(), callbacks=[steps])
+    steps = helpers.StepCounter()
+    trainer = helpers.in_order_trainer(model, args, Tokens(), callbacks=[steps])
     trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-1") if resume else None)
     kind = "resume" if resume else "train"
     if not resume:
         trainer.save_model(os.path.join(out, f"train-{name}-{recipe}"))
-    import deepspeed
-
     engine = trainer.model_wrapped
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         weights = {k: v.detach().float().clone() for k, v in iter_original_state_dict(engine.module)}
     if dist.get_rank() == 0:
-        weights["steps"] = {"started_at": steps.started_at, "run": steps.run, "global_step": trainer.state.global_step}
+        weights["steps"] = steps.as_dict(trainer)
         torch.save(weights, os.path.join(out, f"{kind}-{name}-{recipe}.pt"))
 
 
@@ -291,31 +264,72 @@ def phase_replay(paths: dict, out: str, name: str, recipe: str, args) -> None:
     torch.save({"steps": steps, "weights": weights}, os.path.join(out, f"replay-{name}-{recipe}.rank{rank}.pt"))
 
 
+def sgd_rows(step: int) -> torch.Tensor:
+    """The global batch of SGD step ``step`` of the ``sgd`` phases: rows ``2 step`` (rank 0) and ``2 step + 1``
+    (rank 1) of :class:`Tokens`."""
+    return Tokens().ids[2 * step : 2 * step + 2]
+
+
+def phase_sgd(paths: dict, out: str, name: str, recipe: str, args, offload: bool = False) -> None:
+    """``STEPS`` SGD steps through a DeepSpeed engine (``deepspeed.initialize``; the Trainer's accelerate allows one
+    DeepSpeed run per process), each rank its row of :func:`sgd_rows`; rank 0 writes ``OUT/sgd-<checkpoint>-<how>.pt``
+    (``sgd-offload-...`` with ``offload``): ``{"loaded": the gathered checkpoint layout after the load, "trained":
+    after the steps, "error": what raised, or None}``.
+
+    ``offload``: the load and the engine under ``offload_param`` to the CPU (ZeRO-3 parameter offload): a fresh
+    ``HfDeepSpeedConfig`` for the load, the Trainer's restored afterwards."""
+    import deepspeed
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+    from modelpatch import iter_original_state_dict
+
+    rank = dist.get_rank()
+    config = {**ds_config(), "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    config.update(train_batch_size=dist.get_world_size(), gradient_clipping=0.0, zero_allow_untested_optimizer=True)
+    if offload:
+        config["zero_optimization"] = {**config["zero_optimization"], "offload_param": {"device": "cpu"}}
+    result: dict = {"error": None}
+    hf_config = HfDeepSpeedConfig(config) if offload else None  # switched on for this load (kept alive)
+    try:
+        model = load(paths[name], recipe).train()
+
+        def checkpoint_layout() -> dict:
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                return {k: v.detach().float().clone() for k, v in iter_original_state_dict(model)}
+
+        result["loaded"] = checkpoint_layout()
+        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        for step in range(STEPS):
+            ids = sgd_rows(step)[rank : rank + 1]
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        result["trained"] = checkpoint_layout()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        if hf_config is not None:
+            set_hf_deepspeed_config(args.hf_deepspeed_config)
+    if rank == 0:
+        torch.save(result, os.path.join(out, f"sgd{'-offload' if offload else ''}-{name}-{recipe}.pt"))
+
+
 def main(checkpoints: str, out: str, phases: str) -> None:
     torch.set_num_threads(1)
     with open(checkpoints) as fh:
         paths = json.load(fh)
-    args = training_arguments(
-        os.path.join(out, "trainer"),
-        per_device_train_batch_size=1,
-        learning_rate=LEARNING_RATE,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_steps=STEPS,
-        save_strategy="steps",
-        save_steps=1,
-        logging_steps=100,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        max_grad_norm=0.0,
-    )
+    args = training_arguments(os.path.join(out, "trainer"), learning_rate=LEARNING_RATE, max_steps=STEPS)
     for phase in phases.split(","):
         kind, name, recipe = phase.split(":")
         if kind == "resume":
             phase_train(paths, out, name, recipe, args, resume=True)
             continue
-        {"load": phase_load, "train": phase_train, "replay": phase_replay}[kind](paths, out, name, recipe, args)
+        if kind == "sgd-offload":
+            phase_sgd(paths, out, name, recipe, args, offload=True)
+            continue
+        phases_by_kind = {"load": phase_load, "train": phase_train, "replay": phase_replay, "sgd": phase_sgd}
+        phases_by_kind[kind](paths, out, name, recipe, args)
 
 
 if __name__ == "__main__":

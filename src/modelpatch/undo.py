@@ -91,6 +91,26 @@ class UndoStack:
         with self._lock:
             self._changes.append((kind, target, name, previous))
 
+    def setattrs_raw(self, target: object, values: dict[str, object]) -> None:
+        """``setattr(target, name, value, raw=True)`` for every item of ``values``, in order, recorded as one batch
+        (what a block does to each module it drives, at every block). Not for classes or ``__class__``.
+
+        Raises:
+            TypeError: ``target`` is a class (use :meth:`setattr`).
+        """
+        if isinstance(target, type):
+            raise TypeError(f"setattrs_raw sets instance attributes; {target!r} is a class: use setattr")
+        own = vars(target)
+        batch = []
+        try:
+            for name, value in values.items():
+                previous = own.get(name, ABSENT)
+                object.__setattr__(target, name, value)
+                batch.append(("raw", target, name, previous))
+        finally:  # what was set is undone with the rest
+            with self._lock:
+                self._changes.extend(batch)
+
     def delattr(self, target: object, name: str, *, raw: bool = False) -> None:
         """Delete ``target.name`` (which must exist); undo sets it back."""
         if raw:

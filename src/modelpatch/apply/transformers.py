@@ -63,6 +63,7 @@ from types import ModuleType
 import torch.nn as nn
 
 from ..conversion import zero3
+from ..conversion.buffers import restore_nonpersistent_buffers
 from ..conversion.compose import built_by_modelpatch, resolve_model_rules, transforms_in_force
 from ..conversion.loading import convert_and_load
 from ..conversion.quantized import check_prequantized_layers, quantizer_label, warn_fused_experts_left
@@ -129,8 +130,12 @@ def _build_wrapper(name: str, original):
                 model = original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
             if isinstance(model, nn.Module):  # output_loading_info=True returns a tuple
                 restore_pending_initial_values(model)
+                if name == "from_pretrained":
+                    restore_nonpersistent_buffers(model)
             elif isinstance(model, tuple) and model and isinstance(model[0], nn.Module):
                 restore_pending_initial_values(model[0])
+                if name == "from_pretrained":
+                    restore_nonpersistent_buffers(model[0])
             return model
         finally:
             _TP_PLAN.reset(tp_token)
@@ -241,7 +246,11 @@ def _load_zero3_wrapper(original):
         model_state = zero3.zero3_state_shapes(model)
         mapping = list(getattr(load_config, "weight_mapping", None) or []) if load_config is not None else []
         unexpected = zero3.unread_keys(model, list(state_dict), mapping, model_state)
+        # leaf modules (linear experts): one broadcast per module, not a gather and broadcast per sub-module (zero3)
+        state_dict, loaded = zero3.load_leaf_modules(model, state_dict, mapping)
         error_msgs, missing_keys = original(model, state_dict, load_config)
+        if loaded:
+            missing_keys = set(missing_keys) - loaded
         if state is not None:
             set_state(model, state)
         check_replacements_loaded(model, zero3.ZeroLoadInfo(set(missing_keys), unexpected))

@@ -14,7 +14,7 @@ import os
 from .checkpoint import add_trust_remote_code
 from .errors import CliError
 from .render import emit, plain, table
-from .sources import check_recipe_fits, resolve_patches
+from .sources import check_model_type, check_recipe_fits, resolve_patches
 
 __all__ = ["add_parser", "main"]
 
@@ -50,17 +50,21 @@ def main(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
 
     from ..conversion import ConversionError, convert_checkpoint
+    from .plan import other_type_rules
 
     if not os.path.exists(args.src):
         raise CliError(f"source '{args.src}' does not exist")
     recipe = resolve_patches(args.recipe, args.patches)
     model_type = _model_type(args.src, args.model_type)
+    if args.model_type and not args.model_type[:1].isupper():  # a class name is a registry name too
+        check_model_type(args.model_type, set(recipe.build_conversion_rules()))
     check_recipe_fits(recipe, {model_type}, f"'{args.src}'" + (" (--model-type)" if args.model_type else ""))
     try:
         with recipe.apply():
             rows = convert_checkpoint(args.src, args.dst, model_type, reverse=args.reverse)
     except ConversionError as exc:
-        raise CliError(str(exc).splitlines()[0]) from None
+        other = other_type_rules(recipe, {model_type})
+        raise CliError(str(exc).splitlines()[0] + (f"; {other}" if other else "")) from None
     except (OSError, ValueError, SafetensorError) as exc:  # unwritable DST, truncated file, broken index.json
         raise CliError(
             f"cannot convert {args.src} -> {args.dst}: {type(exc).__name__}: {str(exc).splitlines()[0]}"

@@ -21,7 +21,7 @@ from .checkpoint import add_trust_remote_code, checkpoint_keys, model_class, rea
 from .errors import EXIT_FAILED_CHECK, CliError
 from .plan import has_weights, problem_words, rule_text, static_findings
 from .render import emit, plain, section, strict_json, table
-from .sources import check_recipe_fits, config_names, resolve_patches
+from .sources import check_model_type, check_recipe_fits, config_names, resolve_patches
 
 __all__ = ["add_parser", "main", "explain"]
 
@@ -37,6 +37,7 @@ def _config(model_dir: str | None, model_type: str | None):
         return read_config(model_dir)
     if model_type is None:
         raise CliError("give --model DIR or --model-type TYPE")
+    check_model_type(model_type)
     try:
         return AutoConfig.for_model(model_type)
     except ValueError:
@@ -79,7 +80,11 @@ def explain(
             name = f"{found.original.__name__} -> {found.replacement.__name__}"
             classes[name] = classes.get(name, 0) + 1
     # a class both replaced and fused by Transformers is a conflict: verify's load would refuse it
-    fusions = _upstream_fusions(model, fusion_config, findings.conflicts) if fusion_config and model is not None else []
+    fusions = (
+        _upstream_fusions(model, fusion_config, findings.fusion_conflicts)
+        if fusion_config and model is not None
+        else []
+    )
     keys = checkpoint_keys(model_dir) if model_dir is not None and has_weights(model_dir) else None
     resolved = resolve_transforms(model, None)[0] if model is not None else None
     conversion = []
@@ -94,7 +99,7 @@ def explain(
         "recipe": recipe.name,
         "replaced": replaced,
         "unmatched_keys": findings.unmatched_keys,
-        "conflicts": findings.conflicts,
+        "conflicts": findings.conflicts + findings.fusion_conflicts,
         "conversion_rules": conversion,
         "problems": problems,
         "mismatched_keys": [
@@ -103,6 +108,7 @@ def explain(
         "missing_keys": findings.missing,
         "unexpected_keys": findings.unexpected,
         "rules_that_matched_nothing": findings.unfired,
+        "rules_of_other_model_types": findings.other_types,
         "parameters_on_meta": sum(p.numel() for p in model.parameters()) if model is not None else 0,
         # what Transformers itself would replace in a load with fusion_config (given, or in the config)
         "upstream_fusions": fusions,

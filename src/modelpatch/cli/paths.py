@@ -8,11 +8,16 @@ different lengths padded at the left), attention mask zero on the pads.
 ``cache (dynamic)``, ``cache (static)``
                    greedy ``generate`` of ``new_tokens`` tokens by each model with its own ``DynamicCache`` /
                    ``StaticCache`` (the prefill, then ``new_tokens - 1`` decode steps): every step's logits within
-                   ``atol``, then every layer's key and value tensors at the positions both models computed from the
-                   same tokens (the prompt's non-pad ones, then the generated tokens fed before any divergence)
+                   ``atol``, then every state each cache layer holds after each step (keys and values at the
+                   positions both models computed from the same tokens: the prompt's non-pad ones, then the generated
+                   tokens fed before any divergence; a hybrid model's linear-attention conv and recurrent states
+                   whole), the first diverging state named with the step that wrote it
 ``generate``       the greedy tokens of the dynamic-cache run, token for token
 ``routing``        MoE models: the experts each token is routed to, in every MoE layer, on the padded batch
                    (recorded with :func:`modelpatch.routing.record_routing` during the ``padding`` forward), the same
+                   set of experts per token; a patched router the record cannot drive (its top-k not one
+                   ``torch.topk``: ``sort``, ``topk(largest=False)`` of negated scores...) has the expert ids it
+                   returns read from its output instead, and the check is skipped (with why) if it returns none
 
 A failure names the first position where the models diverge (batch row, token index in the batch as fed, layer,
 decode step: ``0`` is the prefill); of a cache divergence and a logits divergence, the earlier step is named. A
@@ -23,7 +28,7 @@ skipped with its reason; a patched model that raises where the unpatched one run
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -143,7 +148,7 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
     if not moe:
         return padding, PathCheck("routing", "skipped", no_router)
     if record_error is not None:
-        return padding, PathCheck("routing", "FAIL", record_error)
+        return padding, _routing_from_outputs(vanilla, patched, ids, mask, record_error)
     return padding, _routing(expected_routes, actual_routes, mask)
 
 
@@ -168,6 +173,119 @@ def _padding_check(actual, expected, mask, atol: float, has_logits: bool) -> Pat
         return PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}, token {token}", worst, where)
     row = _first(diff > atol)[0]
     return PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}", worst, {"row": row})
+
+
+_INDEX_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _index_tensors(out, tokens: int, top_k: int, num_experts: int) -> list[torch.Tensor]:
+    """The integer tensors of a router's output (a tensor or a tuple/list of them) that hold ``tokens`` rows of
+    ``top_k`` expert ids in ``[0, num_experts)``: each as ``(tokens, top_k)``."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    found = []
+    for t in outs:
+        if (
+            isinstance(t, torch.Tensor)
+            and t.dtype in _INDEX_DTYPES
+            and t.numel() == tokens * top_k
+            and t.dim() >= 1
+            and t.shape[-1] == top_k
+        ):
+            t = t.reshape(tokens, top_k)
+            if bool(((t >= 0) & (t < num_experts)).all()):
+                found.append(t.long())
+    return found
+
+
+@torch.no_grad()
+def _read_routes(model, sites, ids, mask) -> dict[int, torch.Tensor] | str:
+    """``{layer: (B, T, top_k) expert ids}`` read from the outputs of ``model``'s modules named as the unpatched
+    routers ``sites`` during one forward on ``ids``, or why they cannot be read."""
+    from ..routing.sites import submodule
+
+    tokens = ids.numel()
+    routes: dict[int, torch.Tensor] = {}
+    problems: dict[int, str] = {}
+    handles = []
+
+    def hook_for(site):
+        def hook(module, args, out):
+            found = _index_tensors(out, tokens, site.top_k, site.num_experts)
+            if len(found) != 1:
+                problems[site.layer_idx] = (
+                    f"{site.name} ({type(module).__name__}) returns {len(found)} tensors of {site.top_k} expert ids "
+                    f"per token (expected one)"
+                )
+            elif site.layer_idx in routes:
+                problems[site.layer_idx] = f"{site.name} ({type(module).__name__}) ran more than once in a forward"
+            else:
+                routes[site.layer_idx] = found[0].reshape(*ids.shape, site.top_k)
+
+        return hook
+
+    try:
+        for site in sites:
+            try:
+                module = submodule(model, site.name)
+            except AttributeError:
+                return f"no module {site.name} (the unpatched model's router of layer {site.layer_idx})"
+            handles.append(module.register_forward_hook(hook_for(site)))
+        model(input_ids=ids, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if problems:
+        return problems[min(problems)]
+    missing = [s.name for s in sites if s.layer_idx not in routes]
+    if missing:
+        return f"{missing[0]} did not run in the forward"
+    return routes
+
+
+def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> PathCheck:
+    """The routing check when the patched model's routers cannot be recorded (a router that chooses its experts
+    without one ``torch.topk``, e.g. by ``sort``): the expert ids each router module returns, read from its output,
+    compared with the unpatched router's; skipped with the reason when the patched routers return none."""
+    from ..routing import find_router_sites
+
+    sites = find_router_sites(vanilla)[0]
+    try:
+        expected = _read_routes(vanilla, sites, ids, mask)
+        actual = _read_routes(patched, sites, ids, mask)
+    except Exception as exc:  # noqa: BLE001 - the padding forward of both models ran: a hook cannot make it fail
+        return PathCheck("routing", "FAIL", f"{record_error}; reading the routers' outputs fails: {_error(exc)}")
+    if isinstance(expected, str) or isinstance(actual, str):
+        why = expected if isinstance(expected, str) else actual
+        which = "unpatched" if isinstance(expected, str) else "patched"
+        return PathCheck(
+            "routing",
+            "skipped",
+            f"{record_error}; nor can the expert ids be read from the {which} routers' outputs: {why}",
+        )
+    real = mask.bool()
+    tokens, disagree, first = int(real.sum()), 0, None
+    for layer in sorted(expected):
+        want, got = expected[layer].sort(dim=-1).values, actual[layer].sort(dim=-1).values
+        differs = (want != got).any(dim=-1) & real  # (B, T)
+        disagree += int(differs.sum())
+        if first is None and bool(differs.any()):
+            row, token = _first(differs)
+            first = (row, token, layer, sorted(got[row, token].tolist()), sorted(want[row, token].tolist()))
+    via = "expert ids read from the routers' outputs: the routing record cannot drive the patched routers"
+    if first is None:
+        return PathCheck(
+            "routing", "ok", f"the same experts for all {tokens} tokens x {len(expected)} MoE layers ({via})", 0.0
+        )
+    rate = disagree / (tokens * len(expected))
+    row, token, layer, got_, want_ = first
+    return PathCheck(
+        "routing",
+        "FAIL",
+        f"router disagreement {rate:.3g} over {tokens} tokens x {len(expected)} MoE layers ({via}); first: row {row}, "
+        f"token {token}, layer {layer}: experts {got_}, unpatched {want_}",
+        rate,
+        {"row": row, "token": token, "layer": layer},
+    )
 
 
 def _routing(expected, actual, mask) -> PathCheck:
@@ -230,13 +348,55 @@ class _Decoded:
     want: Any = None
     got: Any = None
     failed: PathCheck | None = None
+    want_steps: list = field(default_factory=list)  # the states of ``want`` after each step (see _Snapshots)
+    got_steps: list = field(default_factory=list)
+
+
+# the states a cache layer holds per token, and their token axis (the rest, such as linear attention's conv and
+# recurrent states, summarise every token fed so far: compared whole)
+_TOKEN_AXIS = {"keys": 2, "values": 2, "indexer_keys": 1}
+
+
+def _cache_states(cache) -> list[list[tuple[str, torch.Tensor]]]:
+    """Every state tensor each layer of ``cache`` holds, per layer ``[(name, tensor)]``: its public tensor attributes
+    of two or more dimensions (``keys``, ``values``, ``indexer_keys``...) and the tensors of its dictionaries of them
+    (linear attention's ``conv_states[0]``, ``recurrent_states[0]``); empty or unset ones left out."""
+    layers = []
+    for layer in getattr(cache, "layers", None) or ():
+        states = []
+        for name, value in vars(layer).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.dim() >= 2 and value.numel():
+                    states.append((name, value))
+            elif isinstance(value, dict):
+                states += [
+                    (f"{name}[{i}]", t)
+                    for i, t in value.items()
+                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.numel()
+                ]
+        layers.append(states)
+    return layers
+
+
+class _Snapshots:
+    """A logits processor that copies every state of ``cache`` after each forward of ``generate`` (the prefill, then
+    each decode step) into ``steps``, and leaves the scores as they are."""
+
+    def __init__(self, cache, steps: list) -> None:
+        self.cache, self.steps = cache, steps
+
+    def __call__(self, input_ids, scores):
+        self.steps.append([[(n, t.detach().clone()) for n, t in layer] for layer in _cache_states(self.cache)])
+        return scores
 
 
 @torch.no_grad()
 def _decode(vanilla, patched, ids, mask, new_tokens: int, pad_id: int, kind: str) -> _Decoded:
     """Greedy ``generate`` of ``new_tokens`` tokens by both models from the left-padded batch, each with its own
     cache of ``kind`` (prefill, then one decode step per token), keeping every step's logits and the caches."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, LogitsProcessorList
 
     config = GenerationConfig(
         max_new_tokens=new_tokens,
@@ -257,7 +417,11 @@ def _decode(vanilla, patched, ids, mask, new_tokens: int, pad_id: int, kind: str
     try:
         run.want, run.got = _caches(vanilla, kind, ids.shape[1] + new_tokens)
         run.expected = vanilla.generate(
-            input_ids=ids, attention_mask=mask, generation_config=config, **{cache_kwarg: run.want}
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([_Snapshots(run.want, run.want_steps)]),
+            **{cache_kwarg: run.want},
         )
     except Exception as exc:  # noqa: BLE001 - the unpatched model's own failure: the check is skipped, saying why
         run.failed = PathCheck(
@@ -266,36 +430,53 @@ def _decode(vanilla, patched, ids, mask, new_tokens: int, pad_id: int, kind: str
         return run
     try:
         run.actual = patched.generate(
-            input_ids=ids, attention_mask=mask, generation_config=config, **{cache_kwarg: run.got}
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([_Snapshots(run.got, run.got_steps)]),
+            **{cache_kwarg: run.got},
         )
     except Exception as exc:  # noqa: BLE001 - a patched generate that raises fails the check, saying why
         run.failed = PathCheck(name, "FAIL", f"the patched model's generate fails with a {kind} cache: {_error(exc)}")
     return run
 
 
-def _compare_cache(want, got, valid: torch.Tensor, atol: float) -> tuple[float, _Diverged | None]:
-    """``(largest key/value difference over the ``valid`` positions (B, T) of every layer, the first divergence:
-    lowest token, then row, then layer)``."""
-    worst, first, first_at = 0.0, None, None
-    if len(got.layers) != len(want.layers):
-        return float("inf"), _Diverged(
-            f"{len(got.layers)} cache layers, unpatched {len(want.layers)}", {}, float("inf")
-        )
-    for layer, (a, b) in enumerate(zip(want.layers, got.layers)):
-        for name in ("keys", "values"):
-            x, y = getattr(a, name, None), getattr(b, name, None)
-            if not isinstance(x, torch.Tensor) or x.numel() == 0:
-                continue
+def _compare_cache(want: list, got: list, valid: torch.Tensor, atol: float) -> tuple[float, _Diverged | None]:
+    """``(largest difference of any state over the ``valid`` positions (B, T), the first divergence)`` of two caches'
+    states (:func:`_cache_states`). States with a token axis (keys, values) are compared at the valid positions, the
+    first divergence their lowest token, then row, then layer; the others (linear attention's conv and recurrent
+    states) whole, per row. Of the two, the one in the lower layer is named (a later layer's keys follow from an
+    earlier layer's state)."""
+    if len(got) != len(want):
+        return float("inf"), _Diverged(f"{len(got)} cache layers, unpatched {len(want)}", {}, float("inf"))
+    worst, first, first_at, whole = 0.0, None, None, None
+    for layer, (a, b) in enumerate(zip(want, got)):
+        theirs = dict(b)
+        for name, x in a:
+            y = theirs.get(name)
             if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-                shape = tuple(y.shape) if isinstance(y, torch.Tensor) and y.numel() else None
-                what = "not cached" if shape is None else f"shape {shape}"
+                what = "not cached" if y is None else f"shape {tuple(y.shape)}"
                 diverged = _Diverged(
                     f"layer {layer} {name} {what}, unpatched {tuple(x.shape)}", {"layer": layer}, float("inf")
                 )
                 return float("inf"), first if first is not None else diverged
-            width = min(x.shape[2], valid.shape[1])  # (B, heads, T, head_dim); a static cache's unused tail is left out
-            diff = (x[:, :, :width].float() - y[:, :, :width].float()).abs().nan_to_num(nan=float("inf"))
-            per_token = diff.amax(dim=(1, 3)).masked_fill(~valid[:, :width], 0.0)  # (B, T)
+            axis = _TOKEN_AXIS.get(name)
+            diff = (x.float() - y.float()).abs().nan_to_num(nan=float("inf"))
+            if axis is None or x.dim() <= axis:  # a state of every token so far: (B, ...), compared whole per row
+                per_row = diff.reshape(diff.shape[0], -1).amax(dim=1)
+                top = float(per_row.max())
+                worst = max(worst, top)
+                if top > atol and whole is None:
+                    row = int((per_row > atol).nonzero()[0])
+                    whole = _Diverged(
+                        f"layer {layer} {name} differ by {top:.3g}; first: row {row}, layer {layer}",
+                        {"row": row, "layer": layer},
+                        top,
+                    )
+                continue
+            width = min(x.shape[axis], valid.shape[1])  # a static cache's unused tail is left out
+            diff = diff.narrow(axis, 0, width).movedim(axis, 1)  # (B, T, ...)
+            per_token = diff.reshape(*diff.shape[:2], -1).amax(dim=2).masked_fill(~valid[:, :width], 0.0)  # (B, T)
             top = float(per_token.max()) if per_token.numel() else 0.0
             worst = max(worst, top)
             if top > atol:
@@ -309,7 +490,16 @@ def _compare_cache(want, got, valid: torch.Tensor, atol: float) -> tuple[float, 
                         {"row": row, "token": token, "layer": layer},
                         top,
                     )
+    if whole is not None and (first is None or whole.where["layer"] < first.where["layer"]):
+        return worst, whole
     return worst, first
+
+
+def _valid(mask: torch.Tensor, fed: int) -> torch.Tensor:
+    """The cache positions (B, ``fed``) both models computed from the same tokens: the prompt's non-pad ones, then
+    the generated tokens fed."""
+    prompt = mask.shape[1]
+    return torch.cat([mask.bool(), mask.new_ones(mask.shape[0], max(0, fed - prompt)).bool()], dim=1)[:, :fed]
 
 
 def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
@@ -330,25 +520,40 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
             where = {"row": row, "token": token}
             logits_first = (step, _Diverged(f"logits differ by {top:.3g}; first: row {row}, token {token}", where, top))
             break
-    # the cache positions both models computed from the same tokens: the prompt's non-pad ones, then the generated
-    # tokens fed before the logits diverged
-    fed = prompt + (logits_first[0] if logits_first is not None else len(run.expected.logits) - 1)
-    valid = torch.cat([mask.bool(), mask.new_ones(mask.shape[0], max(0, fed - prompt)).bool()], dim=1)[:, :fed]
-    # the cache generate returns (a release may build its own around or instead of the one passed in)
-    want = getattr(run.expected, "past_key_values", None) or run.want
-    got = getattr(run.actual, "past_key_values", None) or run.got
-    cache_worst, cache_first = _compare_cache(want, got, valid, atol)
+    steps = len(run.expected.logits)
+    last = logits_first[0] if logits_first is not None else steps - 1
+    # the caches after each step (the prefill is step 0) while both models were fed the same tokens
+    new_want, new_got = run.expected.sequences[:, prompt:], run.actual.sequences[:, prompt:]
+    same = 0
+    while same < min(new_want.shape[1], new_got.shape[1]) and bool((new_want[:, same] == new_got[:, same]).all()):
+        same += 1
+    cache_worst, cache_first = 0.0, None
+    snapshots = list(zip(run.want_steps, run.got_steps))
+    if len(snapshots) == steps and any(snapshots[0][0]):
+        for step in range(min(last, same) + 1):  # the token fed at step s is the one generated at step s - 1
+            worst, diverged = _compare_cache(*snapshots[step], _valid(mask, prompt + step), atol)
+            cache_worst = max(cache_worst, worst)
+            if diverged is not None:
+                cache_first = (step, diverged, "prefill" if step == 0 else f"decode step {step}")
+                break
+    else:  # the cache generate returns (a release may build its own around or instead of the one passed in)
+        want = getattr(run.expected, "past_key_values", None) or run.want
+        got = getattr(run.actual, "past_key_values", None) or run.got
+        cache_worst, diverged = _compare_cache(
+            _cache_states(want), _cache_states(got), _valid(mask, prompt + last), atol
+        )
+        if diverged is not None:  # seen only in the cache after the last step: the step that wrote it is unknown
+            what = "prefill" if steps == 1 else f"the cache after decode step {steps - 1}"
+            cache_first = (steps - 1, diverged, what)
     candidates = []
     if cache_first is not None:
-        token = cache_first.where.get("token", 0)
-        candidates.append((0 if token < prompt else token - prompt + 1, 0, cache_first))
+        candidates.append((cache_first[0], 0, cache_first[1], cache_first[2]))
     if logits_first is not None:
-        candidates.append((logits_first[0], 1, logits_first[1]))
+        step = logits_first[0]
+        candidates.append((step, 1, logits_first[1], "prefill" if step == 0 else f"decode step {step}"))
     if candidates:
-        step, _, diverged = min(candidates, key=lambda c: c[:2])
-        label = "prefill" if step == 0 else f"decode step {step}"
+        step, _, diverged, label = min(candidates, key=lambda c: c[:2])
         return PathCheck(name, "FAIL", f"{label}: {diverged}", diverged.figure, {**diverged.where, "step": step})
-    steps = len(run.expected.logits)
     if steps < 2:  # the prefill's cache matched, but nothing was decoded from it: that is not a pass of the cache
         return PathCheck(
             name,
@@ -360,7 +565,7 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
         name,
         "ok",
         f"prefill {prompt} + {steps - 1} decode step(s), left-padded: max abs diff of logits {logits_worst:.3g}, of "
-        f"keys/values {cache_worst:.3g} (atol {atol:g})",
+        f"cached states {cache_worst:.3g} (atol {atol:g})",
         max(logits_worst, cache_worst),
     )
 

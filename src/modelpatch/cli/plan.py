@@ -4,7 +4,8 @@
 the checkpoint's safetensors headers are matched against it, through its conversion rules (the same analysis
 ``load_state_dict`` runs before writing a parameter, :func:`modelpatch.conversion.loaders.analyse_state_dict`):
 
-* **patches**: keys of the patch mapping that replaced nothing, container/inner conflicts;
+* **patches**: keys of the patch mapping that replaced nothing (with the closest class names for a key that names no
+  class), container/inner conflicts, classes both replaced and fused by Transformers (fusion conflicts);
 * **loading**: parameters of the patched model no checkpoint key fills (``missing_keys``: a replacement's own
   parameters are left at their initial values), checkpoint keys it does not take (``unexpected_keys``), keys whose
   shape the checkpoint cannot fill (``mismatched_keys``, naming both shapes), rules that can match no checkpoint key.
@@ -25,7 +26,15 @@ import torch
 from .checkpoint import model_class, remote_code_kwargs
 from .errors import CliError
 
-__all__ = ["Findings", "problem_words", "static_findings", "build_on_meta", "unfired_rules", "rule_text"]
+__all__ = [
+    "Findings",
+    "problem_words",
+    "unmatched_key_hints",
+    "static_findings",
+    "build_on_meta",
+    "unfired_rules",
+    "rule_text",
+]
 
 
 @dataclass
@@ -35,11 +44,15 @@ class Findings:
     Attributes:
         unmatched_keys: keys of the patch mapping that replaced nothing.
         conflicts: container/inner conflict messages.
+        fusion_conflicts: messages of classes both replaced by the patch and fused by Transformers (``explain
+            --fusion``, or a ``fusion_config`` in the checkpoint's config): a load with that fusion refuses them.
         missing: model keys (of the patched model) no checkpoint key fills and the unpatched model's do.
         unexpected: checkpoint keys the patched model does not take and the unpatched model does.
         mismatched: ``(key, checkpoint shape, patched model shape)``: the checkpoint cannot fill the key (for a
             converted key, the checkpoint shape is the one the rule's operations produce).
         unfired: rules (as the conversion report names them) that matched no checkpoint key.
+        other_types: the recipe's rules are all registered under names that are not the checkpoint's (another
+            model type, e.g. ``mistral`` for a ``llama`` checkpoint): the message naming both (:func:`other_type_rules`).
         load_error: the loader's own message when a load failed for a reason none of the above names.
         replaced: modules the patch replaced (``None``: not counted here; ``verify`` states the count itself).
         build_error: why the patched model cannot be built at all (an exception of a replacement's ``__init__``).
@@ -47,10 +60,12 @@ class Findings:
 
     unmatched_keys: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    fusion_conflicts: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     unfired: list[str] = field(default_factory=list)
+    other_types: str | None = None
     load_error: str | None = None
     replaced: int | None = None
     build_error: str | None = None
@@ -69,9 +84,16 @@ def problem_words(findings: Findings) -> dict[str, list[str]]:
     if findings.replaced == 0:
         patches.append("0 module(s) replaced")
     if findings.unmatched_keys:
-        patches.append(f"keys that replaced nothing: {findings.unmatched_keys}")
+        patches.append(
+            f"keys that replaced nothing: {findings.unmatched_keys}{unmatched_key_hints(findings.unmatched_keys)}"
+        )
     if findings.conflicts:
         patches.append(f"{len(findings.conflicts)} container/inner conflict(s)")
+    if findings.fusion_conflicts:
+        patches.append(
+            f"{len(findings.fusion_conflicts)} fusion conflict(s) (a class replaced by the patch and fused by "
+            "Transformers)"
+        )
     loading = []
     if findings.mismatched:
         shown = [
@@ -85,9 +107,49 @@ def problem_words(findings: Findings) -> dict[str, list[str]]:
         loading.append(f"unexpected_keys: {_few(findings.unexpected)}")
     if findings.unfired:
         loading.append(f"rules that matched no checkpoint key: {_few(findings.unfired)}")
+    if findings.other_types:
+        loading.append(findings.other_types)
     if findings.load_error:
         loading.append(f"the patched load fails: {findings.load_error}")
     return {"patches": patches, "loading": loading}
+
+
+def unmatched_key_hints(keys: list[str]) -> str:
+    """``"; 'LlamaAttn': no module class of Transformers 5.23.0 is named so; did you mean 'LlamaAttention'?"`` for
+    each of ``keys`` (patch keys that replaced nothing) that names or matches no module class Transformers (or loaded
+    remote code) has; ``""`` when every key names a class that exists (of another family: not applicable here)."""
+    from ..patching.registry import unknown_key_hint
+
+    return "".join(f"; {key!r}: {hint}" for key in keys if (hint := unknown_key_hint(key)))
+
+
+def model_names(model) -> set[str]:
+    """The registry names rules for ``model`` may be registered under: the class name and ``model_type`` of it and
+    each of its sub-models (what :func:`unfired_rules` counts too)."""
+    from transformers import PreTrainedModel
+
+    names: set[str] = set()
+    for module in model.modules() if model is not None else ():
+        if isinstance(module, PreTrainedModel):
+            names.add(type(module).__name__)
+            model_type = getattr(module.config, "model_type", None)
+            if isinstance(model_type, str) and model_type:
+                names.add(model_type)
+    return names
+
+
+def other_type_rules(recipe, names: set[str]) -> str | None:
+    """When ``recipe`` has conversion rules but none registered under a name of the checkpoint (``names``: its model
+    type, architectures, sub-models' types, from :func:`.sources.config_names`), the words naming both: rules
+    registered for ``mistral`` never apply to a ``llama`` checkpoint. ``None`` otherwise."""
+    groups = [name for name, rules in recipe.build_conversion_rules().items() if rules]
+    if not groups or names & set(groups):
+        return None
+    types = sorted(n for n in names if not n[:1].isupper()) or sorted(names)
+    return (
+        f"conversion rules are registered for {', '.join(map(repr, groups))} and none for the checkpoint's model "
+        f"type {', '.join(map(repr, types))}: they never apply to it (register them under {types[0]!r})"
+    )
 
 
 def build_on_meta(config):
@@ -195,8 +257,11 @@ def static_findings(recipe, config, model_dir: str | None = None) -> tuple[Any, 
     except Exception as exc:  # noqa: BLE001 - a replacement that cannot be built is a finding, not a crash
         text = str(exc).strip().splitlines()
         return None, Findings(build_error=f"{type(exc).__name__}: {text[0] if text else ''}")
+    from .sources import config_names
+
     report = patch_report(model)
     findings = Findings(list(report.unmatched_keys), [c.message() for c in report.conflicts], replaced=len(report.rows))
+    findings.other_types = other_type_rules(recipe, config_names(config) | model_names(model))
     if model_dir is None or not has_weights(model_dir):
         return model, findings
     checkpoint_keys(model_dir)  # unreadable files are a one-line error

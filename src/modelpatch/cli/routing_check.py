@@ -124,6 +124,7 @@ def _routes(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     from ..routing import (
+        RouterContractError,
         RoutingDiscoveryError,
         RoutingTrace,
         RoutingTraceError,
@@ -178,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
             agreement = compare_routing(trace, natural)
             with replay_routing(model, trace):
                 replayed = model(input_ids=ids, attention_mask=mask).logits
-    except (RoutingTraceError, RoutingDiscoveryError) as exc:
+    except (RoutingTraceError, RoutingDiscoveryError, RouterContractError) as exc:
         raise CliError(str(exc)) from None
     real = mask.bool()
     logits_diff = (replayed - plain).abs()[real].max().item() if bool(real.any()) else 0.0

@@ -31,7 +31,7 @@ import importlib.util
 import os
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..conversion.rules import as_modelpatch_rule
 from ..recipes import Recipe, RuleSpec, UnknownRecipeError, UnsupportedExpertsError, get_recipe
@@ -247,6 +247,24 @@ def config_names(config) -> set[str]:
     for key in getattr(config, "sub_configs", None) or {}:
         names.add(getattr(getattr(config, key, None), "model_type", None))
     return names - {None, ""}
+
+
+def check_model_type(model_type: str, also: Collection[str] = ()) -> None:
+    """Refuse a ``--model-type`` the installed Transformers does not know (a key of its ``CONFIG_MAPPING``) and that is
+    not in ``also`` (names the recipe has rules for: a remote-code model type).
+
+    Raises:
+        CliError: one line naming ``model_type`` and the closest known model types, when any are close.
+    """
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES or model_type in also:
+        return
+    close = difflib.get_close_matches(model_type, sorted(CONFIG_MAPPING_NAMES), n=3, cutoff=0.6)
+    hint = f": did you mean {' or '.join(map(repr, close))}?" if close else " (see transformers.CONFIG_MAPPING)"
+    raise CliError(f"unknown model type {model_type!r}{hint}")
 
 
 def check_recipe_fits(recipe: Recipe, names: set[str], where: str) -> None:

@@ -14,7 +14,8 @@ Checks (each one line in the summary; any failure → exit status 1):
 A patched load that raises fails the ``loading`` check (exit status 1, not a usage error): it names what the
 checkpoint's headers show (a key whose shape the checkpoint cannot fill, both shapes; :mod:`.plan`), else the
 loader's message, and the checks that need the patched model are skipped. The ``patches`` and ``loading`` details
-are worded by :func:`.plan.problem_words`, as ``explain`` words the same findings.
+are worded by :func:`.plan.problem_words`, as ``explain`` words the same findings; the ``--json`` document's
+``loading`` then holds ``failed: true``, the loader's ``error`` and the ``mismatched_keys`` (key, both shapes).
 
 With ``--quantization NAME`` (see :mod:`.quantize`) two more: ``quantized`` (every expert Linear quantized, no fused
 experts parameter left in full precision, outputs within the quantizer's usual error of the full-precision patched
@@ -59,7 +60,7 @@ from .checkpoint import (
 from .errors import EXIT_FAILED_CHECK, CliError
 from .inputs import model_inputs, model_output
 from .paths import DEFAULT_NEW_TOKENS, PATH_CHECKS, PathCheck, run_path_checks
-from .plan import Findings, problem_words, static_findings, unfired_rules
+from .plan import Findings, model_names, other_type_rules, problem_words, static_findings, unfired_rules
 from .provenance import ParamSource, first_difference, parameter_provenance
 from .quantize import QUANTIZATIONS, QuantizedResult, quantization_config, run_quantized
 from .render import emit, plain, section, strict_json, table
@@ -70,6 +71,10 @@ from .train_check import render as render_training
 __all__ = ["Check", "VerifyResult", "TrainSettings", "run_verify", "converted_layout_error", "add_parser", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DEFAULT_ATOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
+"""``--atol``'s default per ``--dtype``: the tolerance of ``outputs``, ``padding`` and the ``cache`` checks (README.md
+states them beside the checks table)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class VerifyResult:
     load_seconds: dict = field(default_factory=dict)
     round_trip: str | None = "not run"
     unfired_rules: list = field(default_factory=list)
+    other_type_rules: str | None = None
     quantization: QuantizedResult | None = None
     training: TrainResult | None = None
     paths: list[PathCheck] = field(default_factory=list)
@@ -143,6 +149,7 @@ class VerifyResult:
             "patch_report": self.patch,
             "conversion_report": self.conversion,
             "rules_that_matched_nothing": self.unfired_rules,
+            "rules_of_other_model_types": self.other_type_rules,
             "loading": self.loading,
             "provenance": [p.as_dict() for p in self.provenance],
             "output": {"kind": self.output_kind, "max_abs_diff": self.max_abs_diff, "atol": self.atol},
@@ -237,7 +244,7 @@ def run_verify(
             else f"--new-tokens: must be an integer >= 1, got {new_tokens}"
         )
     torch_dtype = DTYPES[dtype]
-    atol = atol if atol is not None else (1e-5 if torch_dtype == torch.float32 else 2e-2)
+    atol = atol if atol is not None else DEFAULT_ATOL[dtype]
     config = read_config(model_dir)
     check_recipe_fits(recipe, config_names(config), f"the checkpoint at '{model_dir}'")
     cls: Any = model_class(config)
@@ -316,6 +323,7 @@ def run_verify(
         steps.update()
 
         result.unfired_rules = unfired_rules(recipe, patched, {r.rule for r in rows if r.direction == "load"})
+        result.other_type_rules = other_type_rules(recipe, config_names(config) | model_names(patched))
         if result.save_error is None:
             steps.set_postfix_str("provenance")
             result.provenance = parameter_provenance(
@@ -442,10 +450,21 @@ def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, e
     if not findings.mismatched and findings.load_error is None:
         findings.load_error = _first_line(exc)
     result.load_failure = findings
+    # the --json document's "loading" names the failure as the checks do: the key and both shapes, or the message
+    result.loading = {
+        "failed": True,
+        "error": _first_line(exc),
+        "missing_keys": findings.missing,
+        "unexpected_keys": findings.unexpected,
+        "mismatched_keys": [
+            {"key": key, "checkpoint_shape": list(ck), "model_shape": list(own)} for key, ck, own in findings.mismatched
+        ],
+    }
     report = patch_report(meta) if meta is not None else None
     result.patch = report.as_dict() if report is not None else {}
     result.patch.pop("conversion", None)
     result.unfired_rules = findings.unfired
+    result.other_type_rules = findings.other_types
     findings.replaced = None  # the patches check states the count itself
     words = problem_words(findings)
     why = "the patched load failed"
@@ -478,6 +497,7 @@ def _checks(result: VerifyResult, report) -> list[Check]:
         missing=loading.get("missing_keys") or [],
         unexpected=loading.get("unexpected_keys") or [],
         unfired=result.unfired_rules,
+        other_types=result.other_type_rules,
     )
     words = problem_words(findings)
     # Transformers' own mismatched-key entries (a load with ignore_mismatched_sizes): named as it names them
@@ -640,6 +660,8 @@ def render(result: VerifyResult) -> str:
     rules = sorted({r["rule"] for r in result.conversion})
     out += [f"  rule: {rule}" for rule in rules]
     out += [f"  rule that matched no checkpoint key: {rule}" for rule in result.unfired_rules]
+    if result.other_type_rules:
+        out.append(f"  {result.other_type_rules}")
     counts: dict[str, int] = {}
     for p in result.provenance:
         counts[p.status] = counts.get(p.status, 0) + 1

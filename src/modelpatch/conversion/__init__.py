@@ -24,6 +24,7 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
 ``loading``   the ``from_pretrained`` path             ``saving``    the ``save_pretrained`` reverse and
               :func:`iter_original_state_dict` (weight sync), one path
 ``unloaded``  replacement parameters the checkpoint did not provide (:func:`allow_init_values`)
+``buffers``   replacement non-persistent buffers after ``from_pretrained``: the values their ``__init__`` computes
 ``report``    :func:`conversion_report`
 ``manual``    :func:`load_converted_state_dict`      ``offline``   :func:`convert_checkpoint`
 ``loaders``   which layout a state dict or a checkpoint's headers are in, for a model, and what loading them does

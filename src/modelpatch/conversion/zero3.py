@@ -14,11 +14,19 @@ built-in transforms the user rules do not replace to the loader, and returns the
 that :func:`~.unloaded.check_replacements_loaded` refuses a replacement left with ``__init__`` values exactly as after
 a plain load. :func:`tensor_shape` reads the full shape of a partitioned parameter (reference modules that recipes
 build on the ``meta`` device to read shapes are partitioned too).
+
+Per-expert modules multiply ZeRO-3's per-parameter collectives (each a round trip of every rank; 192 expert
+linears in a 4-layer, 16-expert model). :class:`~modelpatch.recipes.LinearExperts` is a DeepSpeed leaf module
+(``_z3_leaf``): fetched whole in training; :func:`batched_zero_init` broadcasts its parameters once when
+``zero.Init`` builds it, and :func:`load_leaf_modules` loads each leaf module with one broadcast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+from collections.abc import Iterator
 
 import torch
 from transformers import core_model_loading as _tcml
@@ -28,7 +36,16 @@ from .errors import ConversionError
 from .loading import model_key, prepare, transformers_renamings
 from .state import ConversionState  # noqa: F401 - named in docstrings
 
-__all__ = ["tensor_shape", "zero3_state_shapes", "convert_checkpoint", "unread_keys", "ZeroLoadInfo", "check_gathered"]
+__all__ = [
+    "tensor_shape",
+    "zero3_state_shapes",
+    "convert_checkpoint",
+    "unread_keys",
+    "ZeroLoadInfo",
+    "check_gathered",
+    "batched_zero_init",
+    "load_leaf_modules",
+]
 
 
 def tensor_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -142,3 +159,178 @@ def check_gathered(model, state_dict: dict) -> None:
             "`with deepspeed.zero.GatheredParameters(list(model.parameters())):`, or pass the consolidated state "
             "dict (the Trainer does with stage3_gather_16bit_weights_on_model_save)."
         )
+
+
+BROADCAST_CHUNK_BYTES = 64 * 2**20
+"""The most bytes :func:`batched_zero_init` concatenates for one broadcast (beyond one parameter's)."""
+
+
+def _open_zero_init():
+    """The ``deepspeed.zero.Init`` context open in this process (DeepSpeed's ``top_level_context``), or None
+    (DeepSpeed not imported, or no ``zero.Init`` open)."""
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    context = getattr(module, "top_level_context", None) if module is not None else None
+    if context is None or not all(
+        callable(getattr(context, name, None))
+        for name in ("_zero_init_param", "_convert_to_deepspeed_param", "get_partition_dp_group")
+    ):
+        return None  # not open, or a DeepSpeed release whose zero.Init works otherwise: per parameter, unchanged
+    return context
+
+
+@contextlib.contextmanager
+def batched_zero_init() -> Iterator[None]:
+    """Under an open ``deepspeed.zero.Init``: the parameters of the modules built in this block are broadcast from
+    rank 0 at the end of the block, their bytes concatenated in chunks of at most :data:`BROADCAST_CHUNK_BYTES`
+    (one collective per chunk and process group), then partitioned, instead of one blocking broadcast and
+    partition per parameter (DeepSpeed's ``_zero_init_param``, which ``zero.Init`` runs after each module's
+    ``__init__``).
+
+    The values, ``ds_id`` order and final partitions are those of the per-parameter path; what the block builds is
+    held in full until the end of the block (for linear experts: one layer's experts, the size of the fused
+    parameter the original class materialises in full the same way). Without an open ``zero.Init`` (or with a
+    DeepSpeed release that lacks the methods named here) the block runs unchanged.
+    """
+    context = _open_zero_init()
+    if context is None:
+        yield
+        return
+    from ..undo import UndoStack
+
+    deferred: list = []
+
+    def zero_init_param(param) -> None:  # DeepSpeed's _zero_init_param, the broadcast and partition deferred
+        context._convert_to_deepspeed_param(param)
+        deferred.append(param)
+
+    with UndoStack() as undo:
+        undo.setattr(context, "_zero_init_param", zero_init_param)
+        yield
+    if deferred:
+        _broadcast_and_partition(context, deferred)
+
+
+def _broadcast_and_partition(context, params: list) -> None:
+    from deepspeed import comm as dist
+
+    groups: dict[int, tuple] = {}
+    for param in params:
+        group = context.get_partition_dp_group(param)
+        groups.setdefault(id(group), (group, []))[1].append(param)
+    for group, members in groups.values():
+        source = 0 if dist.get_world_group() == group else dist.get_global_rank(group, 0)
+        chunks: list[list] = [[]]
+        size = 0
+        for param in members:  # chunks of at most BROADCAST_CHUNK_BYTES (or one parameter): a bounded extra copy
+            nbytes = param.data.numel() * param.data.element_size()
+            if chunks[-1] and size + nbytes > BROADCAST_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(param)
+            size += nbytes
+        for chunk in chunks:
+            flat = torch.cat([p.data.reshape(-1).view(torch.uint8) for p in chunk])
+            dist.broadcast(flat, source, group)
+            offset = 0
+            for param in chunk:
+                nbytes = param.data.numel() * param.data.element_size()
+                param.data.reshape(-1).view(torch.uint8).copy_(flat[offset : offset + nbytes])
+                offset += nbytes
+            del flat
+            chunk[0].partition(param_list=chunk)  # frees the full tensors of this chunk
+
+
+def load_leaf_modules(model, state_dict: dict, transforms: list) -> tuple[dict, set]:
+    """Load the parameters of each ZeRO-3 leaf module of ``model`` (``_z3_leaf``, DeepSpeed's marker for a block
+    whose parameters are fetched together, e.g. :class:`~modelpatch.recipes.LinearExperts`) from ``state_dict``
+    with one broadcast from rank 0 per module, instead of Transformers' ZeRO-3 loader's gather and broadcast of
+    every parameter of every sub-module (``GatheredParameters(..., modifier_rank=0)`` around
+    ``_load_from_state_dict``).
+
+    Every parameter of such a module is overwritten, so its old partitions are not gathered: rank 0 copies the
+    checkpoint values (cast to the parameter's dtype, as ``_load_from_state_dict`` copies them) into one buffer,
+    the buffer is broadcast, and each rank partitions the full tensors again as ``GatheredParameters`` does on exit
+    (DeepSpeed's ``partition(has_been_updated=True)``, which also writes offloaded partitions).
+
+    Only a leaf module without buffers, whose every parameter is a key of ``state_dict`` under its own name with
+    the parameter's full shape, which no transform of ``transforms`` renames or converts, and whose parameters
+    are partitioned over the world group (the loader's values are global rank 0's) is loaded here; any other is
+    left to the loader. The decision reads only keys and shapes, the same on every rank (rank 0 holds the values,
+    the others ``meta`` tensors), so every rank makes the same broadcasts.
+
+    Returns ``(rest, loaded)``: ``state_dict`` without the keys loaded (its ``_metadata`` kept) and those keys.
+    """
+    leaves = [(name, m) for name, m in model.named_modules() if getattr(m, "_z3_leaf", False)]
+    if not leaves:
+        return state_dict, set()
+    try:
+        from deepspeed import comm as dist
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    except ImportError:
+        return state_dict, set()
+
+    transforms = [t for t in transforms if isinstance(t, (_tcml.WeightRenaming, _tcml.WeightConverter))]
+    saved = [(t, {a: getattr(t, a) for a in ("_was_used", "_active") if hasattr(t, a)}) for t in transforms]
+
+    def loadable(key: str, param) -> bool:
+        value = state_dict.get(key)
+        return (
+            isinstance(value, torch.Tensor)
+            and tuple(value.shape) == tensor_shape(param)
+            and hasattr(param, "ds_id")
+            and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+            and all(t.rename_source_key(key) == (key, None) for t in transforms)
+        )
+
+    loaded: set[str] = set()
+    try:
+        for prefix, leaf in leaves:
+            if not prefix or any(prefix.startswith(f"{other}.") for other, _ in leaves if other):
+                continue  # the whole model, or inside another leaf
+            params = {f"{prefix}.{n}": p for n, p in leaf.named_parameters()}
+            if not params or any(True for _ in leaf.buffers()):
+                continue
+            if not all(loadable(k, p) for k, p in params.items()):
+                continue
+            if any(p.ds_process_group != dist.get_world_group() for p in params.values()):
+                continue  # the loader's values are global rank 0's; a sub-group is left to the loader
+            _broadcast_into_partitions(dist, ZeroParamStatus, params, state_dict)
+            loaded.update(params)
+    finally:
+        for transform, attributes in saved:
+            for attribute, value in attributes.items():
+                setattr(transform, attribute, value)
+    if not loaded:
+        return state_dict, set()
+    rest = _WithMetadata({k: v for k, v in state_dict.items() if k not in loaded})
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        rest._metadata = metadata
+    return rest, loaded
+
+
+def _broadcast_into_partitions(dist, status, params: dict, state_dict: dict) -> None:
+    """``params`` (``{key: partitioned parameter}``, world group) set to ``state_dict``'s values of rank 0 on every
+    rank: one byte buffer (each parameter at a 64-byte aligned offset), broadcast from rank 0, then partitioned."""
+    from deepspeed.accelerator import get_accelerator
+
+    members = sorted(params.items(), key=lambda item: item[1].ds_id)  # the same order on every rank
+    offsets, total = [], 0
+    for _, param in members:
+        offsets.append(total)
+        total += -(-(param.ds_numel * param.dtype.itemsize) // 64) * 64
+    flat = torch.empty(total, dtype=torch.uint8, device=get_accelerator().current_device_name())
+    views = []
+    for (_, param), offset in zip(members, offsets):
+        size = param.ds_numel * param.dtype.itemsize
+        views.append(flat[offset : offset + size].view(param.dtype).view(tensor_shape(param)))
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            for (key, _), view in zip(members, views):
+                view.copy_(state_dict[key])  # cast to the parameter's dtype, as _load_from_state_dict copies
+    dist.broadcast(flat, 0, dist.get_world_group())
+    for (_, param), view in zip(members, views):
+        param.data = view
+        param.ds_status = status.AVAILABLE
+        param._is_hf_initialized = True  # as the loader marks what it fills: not initialised again
+    members[0][1].partition(param_list=[p for _, p in members], has_been_updated=True)

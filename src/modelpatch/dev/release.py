@@ -13,7 +13,9 @@
    files modelpatch depends on (:data:`DEPENDED_FILES`): functions, methods and classes added, removed, with a new
    signature or a new body, and module-level constants with a new value, read from the two wheels with :mod:`ast`.
 
-Everything is written to ``docs/releases/X.Y.md`` (``--output``); logs go to ``build/releases/VERSION/``.
+Everything is written to ``docs/releases/X.Y.md`` (``--output``); logs go to ``build/releases/VERSION/``. A partial run
+never overwrites a fuller report: ``--diff-only`` writes ``docs/releases/X.Y-upstream.md``, and ``--no-suite`` /
+``--no-tables`` refuse (exit 2, before anything runs) to replace a ``docs/releases/X.Y.md`` holding those sections.
 """
 
 from __future__ import annotations
@@ -335,6 +337,33 @@ def upstream_changes(old: str, new: str, cache: Path, log: Path) -> list[str]:
 
 
 # -- the command ------------------------------------------------------------------------------------------------------
+def _default_output(root: Path, minor: str, args: argparse.Namespace) -> Path:
+    """Where a run without ``--output`` writes: ``docs/releases/X.Y.md``, or ``docs/releases/X.Y-upstream.md`` for
+    ``--diff-only`` (the full report stays as it is).
+
+    Raises:
+        ModelpatchValueError: another partial run (``--no-suite`` / ``--no-tables``) would overwrite a report holding
+            sections it does not write (the suite's, the tables'); nothing has run then.
+    """
+    releases = root / "docs" / "releases"
+    if args.diff_only:
+        return releases / f"{minor}-upstream.md"
+    path = releases / f"{minor}.md"
+    if path.is_file():
+        kept = {"## Support tables": args.no_tables, "## Suite": args.no_suite}
+        dropped = [
+            title
+            for title, skipped in kept.items()
+            if skipped and title in path.read_text(encoding="utf-8").splitlines()
+        ]
+        if dropped:
+            raise ModelpatchValueError(
+                f"{path} holds the sections {', '.join(repr(d[3:]) for d in dropped)}, which this run does not write: "
+                "pass --output FILE to write this partial report elsewhere"
+            )
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m modelpatch.dev.release VERSION [--venv DIR] [--against R ...] [--lock] [--no-tables]
     [--no-suite] [--diff-only] [--output FILE]``; exit status 0 when every step passed, 1 when the tables or
@@ -347,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tables", action="store_true", help="do not regenerate the support tables")
     parser.add_argument("--no-suite", action="store_true", help="do not run the suite")
     parser.add_argument("--diff-only", action="store_true", help="only the upstream diff (no venv, tables, suite)")
-    parser.add_argument("--output", type=Path, help="default: docs/releases/X.Y.md")
+    parser.add_argument("--output", type=Path, help="default: docs/releases/X.Y.md (X.Y-upstream.md with --diff-only)")
     args = parser.parse_args(argv)
     try:
         root = _root()
@@ -356,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         work = root / "build" / "releases" / version
         log = work / "release.log"
         out = [f"# Transformers {version}", "", f"Written by `python -m modelpatch.dev.release {version}`.", ""]
+        path = args.output or _default_output(root, minor, args)
         status = 0
         if not args.diff_only:
             venv = args.venv or root / f".venv-tf{minor.replace('.', '')}"
@@ -390,7 +420,6 @@ def main(argv: list[str] | None = None) -> int:
         out += [f"Functions, methods, classes and constants of `transformers/{{{', '.join(DEPENDED_FILES)}}}`.", ""]
         for old in against:
             out += upstream_changes(old, version, work / "wheels", log)
-        path = args.output or root / "docs" / "releases" / f"{minor}.md"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(out).rstrip() + "\n", encoding="utf-8")
         print(f"wrote {path}")

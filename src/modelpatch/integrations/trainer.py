@@ -14,13 +14,18 @@ statedict`. This module does the same for ``optimizer.pt``, by wrapping two meth
   :func:`~modelpatch.conversion.optimizer.optimizer_state_dict_in_model_layout` before the optimizer loads it, so
   a checkpoint of an unpatched run (or of a run with the same recipe, in either layout) resumes the patched model.
 
-Only the plain path of both methods (one process or DDP) is changed (no DeepSpeed, FSDP, SageMaker or XLA, which keep
+Under FSDP, ``_load_from_checkpoint`` is wrapped too: accelerate's resume files (``pytorch_model_fsdp.bin``,
+``pytorch_model_fsdp_0/``) hold the trained model's own layout; a model of another layout (another recipe, or
+none) resuming from them is refused before anything is loaded (:func:`check_fsdp_checkpoint_layout`), instead of
+torch failing on a bare key after the model was sharded.
+
+Only the plain path of both optimizer methods (one process or DDP) is changed (no DeepSpeed, FSDP, SageMaker or XLA, which keep
 their own optimizer formats); every other model goes through Transformers' methods untouched. During the call the
 Trainer's optimizer object has an instance attribute ``state_dict`` (save) or ``load_state_dict`` (load) in front of
 its own method, removed when the call returns.
 
 **Installation.** :func:`install` (called by :func:`modelpatch.apply.transformers.install`, i.e. on import of
-modelpatch) wraps the two methods on ``transformers.Trainer`` when ``transformers.trainer`` is already imported,
+modelpatch) wraps the methods on ``transformers.Trainer`` when ``transformers.trainer`` is already imported,
 else right after it is imported (an import hook answering for that one module name only, as :mod:`.peft` does).
 :func:`uninstall` restores the methods and removes the hook. Importing modelpatch never imports the Trainer.
 """
@@ -43,7 +48,7 @@ from ..conversion.optimizer import (
 from ..lazy_imports import PostImportHook, pretrained_model_class
 from ..undo import UndoStack
 
-__all__ = ["install", "uninstall", "installed", "TARGET_MODULE"]
+__all__ = ["install", "uninstall", "installed", "TARGET_MODULE", "check_fsdp_checkpoint_layout", "fsdp_checkpoint_keys"]
 
 logger = logging.get_logger("modelpatch.integrations.trainer")
 
@@ -112,11 +117,101 @@ def _load_wrapper(original):
     return _load_optimizer_and_scheduler
 
 
-_WRAPPERS = {"_save_optimizer_and_scheduler": _save_wrapper, "_load_optimizer_and_scheduler": _load_wrapper}
+FSDP_MODEL_FILES = ("pytorch_model_fsdp.bin", "pytorch_model_fsdp_0")
+"""accelerate's FSDP model resume files in a Trainer checkpoint: the full state dict (``FULL_STATE_DICT``) and the
+torch.distributed.checkpoint folder (``SHARDED_STATE_DICT``), both written from ``model.state_dict()``."""
+
+
+def fsdp_checkpoint_keys(checkpoint) -> tuple[str, set[str]] | None:
+    """``(file name, keys)`` of accelerate's FSDP model resume file in the Trainer checkpoint folder
+    ``checkpoint`` (the keys are read, not the tensors), or None when it has none."""
+    import os
+
+    import torch
+
+    full = os.path.join(checkpoint, FSDP_MODEL_FILES[0])
+    if os.path.isfile(full):
+        return FSDP_MODEL_FILES[0], set(torch.load(full, map_location="cpu", weights_only=True, mmap=True))
+    sharded = os.path.join(checkpoint, FSDP_MODEL_FILES[1])
+    if os.path.isfile(os.path.join(sharded, ".metadata")):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(sharded).read_metadata().state_dict_metadata
+        return FSDP_MODEL_FILES[1], {k[len("model.") :] for k in metadata if k.startswith("model.")}
+    return None
+
+
+def check_fsdp_checkpoint_layout(model, checkpoint, state_dict_type: str) -> None:
+    """Refuse to resume ``model`` under FSDP from the Trainer checkpoint ``checkpoint`` when accelerate's resume file
+    holds some module in another layout than the model's (a run trained with another recipe, or without one):
+    those files hold the trained model's own ``state_dict()``, which accelerate loads by key, so torch would
+    fail on a bare key (or a missing key) after the model was sharded.
+
+    Raises:
+        StateDictLayoutError: naming ``resume_from_checkpoint``, the FSDP ``state_dict_type``, the file, and up to
+            4 modules with the checkpoint's and the model's parameter names there.
+    """
+    from ..conversion.errors import StateDictLayoutError
+
+    found = fsdp_checkpoint_keys(checkpoint)
+    if found is None:
+        return
+    name, saved = found
+    own = set(model.state_dict().keys())
+    missing, unexpected = own - saved, saved - own
+    if not missing or not unexpected:
+        return  # torch's own report (strict load / DCP planner) names a key missing on one side only
+
+    def owners(key: str) -> list[str]:
+        parts = key.split(".")[:-1]
+        return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+    under_unexpected = {owner for key in unexpected for owner in owners(key)}
+    modules: dict[str, None] = {}
+    for key in sorted(missing):
+        owner = next((o for o in owners(key) if o in under_unexpected), "")
+        modules.setdefault(owner, None)
+    lines = []
+    for path in list(modules)[:4]:
+        cls = type(model.get_submodule(path)).__name__ if path else type(model).__name__
+        relative = len(path) + 1 if path else 0
+        theirs = sorted(k[relative:] for k in unexpected if not path or k.startswith(path + "."))
+        ours = sorted(k[relative:] for k in missing if not path or k.startswith(path + "."))
+        lines.append(
+            f"{path or '(root)'} ({cls}): the checkpoint has {', '.join(theirs[:4])}{' ...' * (len(theirs) > 4)}, "
+            f"the model {', '.join(ours[:4])}{' ...' * (len(ours) > 4)}"
+        )
+    raise StateDictLayoutError(
+        f"resume_from_checkpoint={str(checkpoint)!r} under FSDP (state_dict_type {state_dict_type}): {name} holds "
+        f"{len(modules)} module(s) in another layout than this {type(model).__name__}'s:\n  "
+        + "\n  ".join(lines)
+        + "\naccelerate's FSDP resume files hold the trained model's own state_dict(), read back by key: resume "
+        "with the patch (recipe) the run was trained with. The checkpoint's model.safetensors (FULL_STATE_DICT) "
+        "holds the original layout: from_pretrained loads it into either layout, for a new run.",
+        keys=sorted(unexpected)[:8],
+    )
+
+
+def _load_checkpoint_wrapper(original):
+    @functools.wraps(original)
+    def _load_from_checkpoint(self, resume_from_checkpoint, *args, **kwargs):
+        if getattr(self, "is_fsdp_enabled", False) and resume_from_checkpoint is not None:
+            plugin = self.accelerator.state.fsdp_plugin
+            check_fsdp_checkpoint_layout(self.model, resume_from_checkpoint, str(plugin.state_dict_type).split(".")[-1])
+        return original(self, resume_from_checkpoint, *args, **kwargs)
+
+    return _load_from_checkpoint
+
+
+_WRAPPERS = {
+    "_save_optimizer_and_scheduler": _save_wrapper,
+    "_load_optimizer_and_scheduler": _load_wrapper,
+    "_load_from_checkpoint": _load_checkpoint_wrapper,
+}
 
 
 def _wrap(module: ModuleType) -> None:
-    """Wrap the two methods of ``module.Trainer`` (idempotent)."""
+    """Wrap the methods of ``module.Trainer`` named in ``_WRAPPERS`` (idempotent)."""
     with _lock:
         trainer = getattr(module, "Trainer", None)
         if trainer is None or len(_installed):
@@ -130,7 +225,8 @@ _hook = PostImportHook(TARGET_MODULE, _wrap)
 
 
 def install() -> None:
-    """Wrap the Trainer's optimizer save and load now, or when ``transformers.trainer`` is imported (idempotent)."""
+    """Wrap the Trainer's optimizer save and load and its FSDP resume now, or when ``transformers.trainer`` is
+    imported (idempotent)."""
     with _lock:
         _hook.now_or_on_import()
 

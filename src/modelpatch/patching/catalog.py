@@ -41,7 +41,7 @@ import re
 import sys
 import threading
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch.nn as nn
 
@@ -92,6 +92,18 @@ class ClassCatalog:
         # witness values (parallel tuples, so the full check runs in C via map())
         self._watch: tuple[tuple, tuple, tuple, list] = ((), (), (), [])
         self.version = 0
+        # what a stale catalogue needs beyond a rescan: the scopes set it to their refresh, which also extends
+        # every live scope to the new classes (the registry cannot import the scopes: they import it)
+        self.on_stale: Callable[[], None] | None = None
+
+    def refresh_if_stale(self) -> None:
+        """Rescan if :meth:`may_have_changed` says so, through :attr:`on_stale` when it is set."""
+        if not self.may_have_changed():
+            return
+        if self.on_stale is not None:
+            self.on_stale()
+        else:
+            self.refresh()
 
     def may_have_changed(self, modules: Iterable[str] | None = None) -> bool:
         """Cheap check: was a modeling module imported, removed, replaced or re-executed since the last scan?

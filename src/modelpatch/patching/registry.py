@@ -49,6 +49,8 @@ __all__ = [
     "on_clear",
     "isolated_patch_registry",
     "unknown_class_key_message",
+    "unknown_key_hint",
+    "closest_class_names",
 ]
 
 
@@ -245,27 +247,82 @@ def isolated_patch_registry() -> Iterator[None]:
         _ISOLATED.reset(token)
 
 
-def unknown_class_key_message(key: str) -> str | None:
-    """A message naming ``key`` and the closest known class name when the exact key ``key`` names no class a patch
-    can replace (a module class of the installed Transformers, imported or not, or of loaded remote code) but is
-    spelled like one (:func:`difflib.get_close_matches`, or the same name in another case): a typo such as
-    ``'LlamaAtention'``. ``None`` otherwise: a known class; a regular expression; or a name like no known class,
-    which may be a class of remote code loaded later (a build judges those keys, see
-    :meth:`~modelpatch.PatchScope.finish`)."""
+def closest_class_names(key: str, n: int = 3) -> list[str]:
+    """Up to ``n`` names of known module classes (of the installed Transformers, imported or not, or of loaded remote
+    code) spelled closest to ``key``: the same name in another case first, then :func:`difflib.get_close_matches`
+    (ratio >= 0.7); ``[]`` when none is close."""
+    known = sorted(known_class_names())
+    same_but_case = [name for name in known if name.lower() == key.lower() and name != key]
+    close = [name for name in difflib.get_close_matches(key, known, n=n, cutoff=0.7) if name not in same_but_case]
+    return [*same_but_case, *close][:n]
+
+
+def _suggestions(key: str) -> tuple[list[str], bool]:
+    """``(names to suggest for key, whether they differ from it only in case)``: the one close match when it is the
+    same name in another case or spelled nearly alike (ratio >= 0.92), else :func:`closest_class_names`."""
+    close = closest_class_names(key)
+    same_but_case = bool(close) and close[0].lower() == key.lower()
+    if close and (same_but_case or difflib.SequenceMatcher(None, key, close[0]).ratio() >= 0.92):
+        return close[:1], same_but_case
+    return close, False
+
+
+def _names_no_known_class(key: str) -> bool:
+    """Whether the exact key or pattern ``key`` names / matches no module class of the installed Transformers
+    (imported or not) nor of loaded remote code."""
+    def unknown() -> bool:
+        if key.isidentifier():
+            return key not in known_class_names() and not CATALOG.classes_named(key)
+        try:
+            pattern = re.compile(key)
+        except re.error:
+            return False
+        return not any(pattern.search(name) for name in (*CATALOG.names(), *known_class_names()))
+
+    if not unknown():
+        return False
+    CATALOG.refresh_if_stale()  # remote code imported since the catalogue's last look
+    return unknown()
+
+
+def unknown_key_hint(key: str) -> str:
+    """``""`` when ``key`` names (exact key) or matches (pattern) a known module class; otherwise a short phrase
+    saying it names none, with the closest class names when any are close (``"no class of Transformers 5.23.0 is
+    named so; closest: 'LlamaAttention'"``). How the CLI words a patch key that replaced nothing."""
+    if not _names_no_known_class(key):
+        return ""
     if not key.isidentifier():
+        return f"matches no module class of Transformers {transformers_version}"
+    close = _suggestions(key)[0]
+    closest = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"no module class of Transformers {transformers_version} is named so{closest}"
+
+
+def unknown_class_key_message(key: str) -> str | None:
+    """A message naming ``key`` when it names (exact key) or matches (pattern) no module class a patch can replace (a
+    module class of the installed Transformers, imported or not, or of loaded remote code), with the closest known
+    class names when any are close (:func:`closest_class_names`): a typo such as ``'LlamaAtention'``, or a name far
+    from any class such as ``'LlamaAttn'``. ``None`` for a key that names or matches a known class. A key naming no
+    known class may still be a class of remote code loaded later, which the message says."""
+    if not _names_no_known_class(key):
         return None
-    known = known_class_names()
-    if key in known or CATALOG.classes_named(key):
-        return None
-    same_but_case = sorted(name for name in known if name.lower() == key.lower())
-    close = same_but_case or difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.92)
-    if not close:
-        return None
+    if not key.isidentifier():
+        return (
+            f"modelpatch: patch key {key!r} matches no module class of the installed Transformers "
+            f"{transformers_version} nor of loaded remote code. The key replaces nothing unless remote code loaded "
+            "later defines such a class"
+        )
+    close, same_but_case = _suggestions(key)
+    suggestion = (
+        f": did you mean {' or '.join(map(repr, close))}?"
+        + (" (class names are case-sensitive)" if same_but_case else "")
+        if close
+        else "."
+    )
     return (
         f"modelpatch: patch key {key!r} names no module class of the installed Transformers {transformers_version} "
-        f"nor of loaded remote code: did you mean {close[0]!r}?"
-        + (" (class names are case-sensitive)" if same_but_case else "")
-        + " The key replaces nothing unless remote code loaded later defines that class"
+        f"nor of loaded remote code{suggestion} The key replaces nothing unless remote code loaded later defines that "
+        "class"
     )
 
 
@@ -277,16 +334,17 @@ def register_patch_mapping(mapping: Mapping[str, type], overwrite: bool = False,
             any other key is a regular expression matched with :func:`re.search` against class names.
             Exact keys win over patterns; among patterns the first registered wins.
         overwrite: replace keys that are already registered instead of raising.
-        strict: an exact key spelled like a known class but naming none (see :func:`unknown_class_key_message`)
-            raises instead of logging a warning (registry-wide strict mode, :func:`set_strict_patching`, does too).
-            Keys like no known class are judged by the builds (a warning, or the error in strict mode).
+        strict: a key that names (exact key) or matches (pattern) no known module class (see
+            :func:`unknown_class_key_message`: a typo, a name far from any class, a class of remote code not
+            loaded yet) raises instead of logging a warning (registry-wide strict mode, :func:`set_strict_patching`,
+            does too).
 
     Raises:
         TypeError: a value is not a class or not an ``nn.Module`` subclass (names the key).
         ValueError: a key is an invalid regular expression (names the key and the ``re`` error), or is
             already registered and ``overwrite`` is false.
-        UnmatchedPatchKeyError: ``strict`` (or strict mode) and an exact key is a misspelled class name (such as
-            ``'LlamaAtention'``); the message names the closest known class name.
+        UnmatchedPatchKeyError: ``strict`` (or strict mode) and a key names / matches no known module class (such
+            as ``'LlamaAtention'`` or ``'LlamaAttn'``); the message names the closest known class names.
 
     A call that raises leaves the registry exactly as it was.
     """

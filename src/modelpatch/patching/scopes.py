@@ -90,6 +90,9 @@ def refresh_catalog(modules: tuple[str, ...] | None = None) -> None:
             scope._extend(resolve_classes(scope.mapping, new_classes))
 
 
+CATALOG.on_stale = refresh_catalog
+
+
 class PatchScope:
     """One activation of a patch mapping; a context manager (see :func:`apply_patches`).
 

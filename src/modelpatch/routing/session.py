@@ -276,10 +276,15 @@ class _SessionDriver:
                         f"layer {site.layer_idx}: router already driven by another record_routing/replay_routing "
                         "block (as the module owning another model's decoder layers)"
                     )
-                self._undo.setattr(router, _ORIGINAL, router.forward, raw=True)
-                self._undo.setattr(router, _COMPILED, compiled_router_info(site), raw=True)
-                self._undo.setattr(router, "forward", types.MethodType(_driven_router_forward, router), raw=True)
-                self._undo.setattr(router, _MARK, self, raw=True)
+                self._undo.setattrs_raw(
+                    router,
+                    {
+                        _ORIGINAL: router.forward,
+                        _COMPILED: compiled_router_info(site),
+                        "forward": types.MethodType(_driven_router_forward, router),
+                        _MARK: self,
+                    },
+                )
                 self._undo.setitem(HANDLERS, id(router), (self, site))
             owner = self.owner
             if id(owner) in HANDLERS:
@@ -534,7 +539,9 @@ class ReplaySession(_SessionDriver):
             raise RoutingTraceError(
                 f"trace MoE layers {list(trace.layers)} do not match the model's MoE layers {list(model_layers)}"
             )
+        self.lengths = trace.sequence_lengths
         self.rows: dict[int, list[torch.Tensor]] = {}
+        self.flat: dict[int, torch.Tensor] = {}  # CPU layers: every sequence's rows, concatenated in order
         for s in self.sites:
             layer = s.layer_idx
             if trace.top_k[layer] != s.top_k:
@@ -545,17 +552,25 @@ class ReplaySession(_SessionDriver):
                 raise RoutingTraceError(
                     f"layer {layer}: expected expert ids in [0, {s.num_experts}) or -1, received max id {hi}"
                 )
-            device = next(iter(s.module.parameters()), torch.empty(0)).device
-            if device.type == "meta":
-                device = torch.device("cpu")
-            self.rows[layer] = [t.to(device) for t in seqs]  # no copy on the same device; never modified
+            device = _module_device(s.module)
+            # the trace's rows are CPU tensors (never modified): moved once per block for a router elsewhere
+            if device.type in ("cpu", "meta"):
+                self.rows[layer] = seqs
+                if [t.shape[0] for t in seqs] == self.lengths:  # (a trace still being built may disagree)
+                    self.flat[layer] = trace.flat_routes(layer)  # the rows are consecutive ranges of it
+            else:
+                self.rows[layer] = [t.to(device) for t in seqs]
         self.free_rows = {layer: trace.has_free_rows(layer) for layer in model_layers}  # "no route" rows
-        self.lengths = trace.sequence_lengths
         self.cursor = [0] * len(self.lengths)
         self.closed = [False] * len(self.lengths)
         self.next_seq = 0
         self.forwards = 0  # forwards of the owner in the block
         self.routed: dict[int, int] = {s.layer_idx: 0 for s in self.sites}  # router calls per layer given routes
+        self._plan: list[tuple[int, int, int]] | None = None  # see _assign
+        self._span: tuple[int, int] | None = None  # see _assign
+        self._offsets = [0]  # first row of each sequence in the flat tensors
+        for n in self.lengths:
+            self._offsets.append(self._offsets[-1] + n)
 
     def _assign(self, layout: ForwardLayout) -> None:
         self.forwards += 1
@@ -588,6 +603,22 @@ class ReplaySession(_SessionDriver):
                 self.closed[seq] = True  # engine convention: the last token was never routed
             self.cursor[seq] = start + slot.n - slot.pad_end
         self._last_seqs = seqs
+        # the common compiled case, decided once per forward rather than at every router call: consecutive slices
+        # of the token grid, each wholly routed by the trace -> ``(sequence, first row, end row)`` to concatenate
+        plan = self._plan = (
+            [(slot.seq, slot.start, slot.start + slot.n) for slot in layout.slots]
+            if _contiguous(layout.slots, layout.num_tokens)
+            else None
+        )
+        # ... and when those are consecutive sequences, each whole but the first's start and the last's end: one
+        # range of the layers' flat tensors (the same for every layer)
+        self._span = None
+        if plan is not None:
+            lengths = self.lengths
+            first, last = plan[0], plan[-1]
+            if all(b[0] == a[0] + 1 and a[2] == lengths[a[0]] and b[1] == 0 for a, b in zip(plan, plan[1:])):
+                offset = self._offsets[first[0]]
+                self._span = (offset + first[1], self._offsets[last[0]] + last[2])
 
     def _forced(self, site: RouterSite, num_tokens: int) -> torch.Tensor:
         return self._forced_rows(site, num_tokens)[0]
@@ -650,6 +681,35 @@ class ReplaySession(_SessionDriver):
         return site.kind.call(site, forward, args, kwargs, forced, _noop, measure)
 
     def compiled_route(self, site: RouterSite, natural: torch.Tensor) -> torch.Tensor:
+        layer = site.layer_idx
+        plan = self._plan
+        layout = self.layout
+        if (
+            plan is not None
+            and layout is not None
+            and self.drift is None
+            and not self.free_rows[layer]
+            and natural.shape[0] == layout.num_tokens
+        ):
+            # fast path, once per router call of a compiled forward: every row is a route of the trace (no -1 to
+            # merge with the natural choice), one new tensor (never the trace's storage: the graph owns it)
+            self.routed[layer] += 1
+            span = self._span
+            flat = self.flat.get(layer)
+            if span is not None and flat is not None:
+                forced = flat[span[0] : span[1]].clone()
+                if forced.device == natural.device:
+                    return forced
+                return forced.to(natural.device)
+            rows = self.rows[layer]
+            if len(plan) == 1:
+                seq, start, end = plan[0]
+                forced = rows[seq][start:end].clone()
+            else:
+                forced = torch.cat([rows[seq][start:end] for seq, start, end in plan])
+            if forced.device == natural.device:
+                return forced
+            return forced.to(natural.device)
         forced, new = self._forced_rows(site, natural.shape[0])
         if self.drift is not None:
             self.drift.add(site.layer_idx, natural, forced)
@@ -700,6 +760,15 @@ class ReplaySession(_SessionDriver):
         ]
         if leftover:
             raise RoutingReplayError("leftover routes at the end of the replay block: " + "; ".join(leftover))
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    """The device of the router's first parameter (its own ones first: no generator over the subtree); CPU if it
+    has none."""
+    for p in module._parameters.values():
+        if p is not None:
+            return p.device
+    return next(iter(module.parameters()), torch.empty(0)).device
 
 
 def _contiguous(slots: list[Slot], num_tokens: int) -> bool:

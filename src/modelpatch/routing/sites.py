@@ -72,6 +72,7 @@ def _is_router_class(cls: type) -> bool:
 
 
 _ROUTER_BASE: dict[type, type | None] = {}
+_UNSEEN = object()
 _SITES_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
@@ -238,18 +239,33 @@ def submodule(model: nn.Module, name: str) -> nn.Module:
 
 def _count_routers(model: nn.Module, types: set[type]) -> int:
     """The number of distinct router modules in ``model``: of one of ``types`` (the routers found before, by name
-    or by structure) or of a known router base (what ``model.modules()`` walks, without building names)."""
+    or by structure) or of a known router base (what ``model.modules()`` walks, without building names).
+
+    Runs at every record / replay block (it validates the cached discovery), so it is a flat loop over the
+    ``_modules`` dictionaries with the class lookups memoised."""
     seen: set[int] = set()
-    stack = [model]
+    stack: list[nn.Module | None] = [model]
+    pop, extend, add = stack.pop, stack.extend, seen.add
+    bases = _ROUTER_BASE
     count = 0
     while stack:
-        module = stack.pop()
-        if id(module) in seen:
+        module = pop()
+        if module is None:
             continue
-        seen.add(id(module))
-        if type(module) in types or _router_base(type(module)) is not None:
+        key = id(module)
+        if key in seen:
+            continue
+        add(key)
+        cls = type(module)
+        if cls in types:
             count += 1
-        stack.extend(child for child in module._modules.values() if child is not None)
+        else:
+            base = bases.get(cls, _UNSEEN)
+            if base is _UNSEEN:
+                base = _router_base(cls)
+            if base is not None:
+                count += 1
+        extend(module._modules.values())
     return count
 
 

@@ -267,11 +267,25 @@ class RoutingTrace:
         rows = self._decoded.get(layer_idx)
         if rows is None or len(rows) != len(self._blocks[layer_idx]):
             self._consolidate()
-            rows = self._decoded[layer_idx] = [
-                (blocks[0].decode() if blocks else torch.empty(0, self.top_k[layer_idx], dtype=torch.int64))
-                for blocks in self._blocks[layer_idx]
-            ]
+            empty = torch.empty(0, self.top_k[layer_idx], dtype=torch.int64)
+            decoded = [(blocks[0].decode() if blocks else empty) for blocks in self._blocks[layer_idx]]
+            # one tensor per layer, the sequences its consecutive row ranges (views): replay hands a batch of
+            # consecutive whole sequences to a compiled graph as one slice (see flat_routes)
+            flat = torch.cat(decoded) if decoded else empty
+            rows = self._decoded[layer_idx] = list(flat.split([t.shape[0] for t in decoded]))
+            self._decoded[("flat", layer_idx)] = (rows, flat)
         return [t.clone() for t in rows] if copy else list(rows)
+
+    def flat_routes(self, layer_idx: int) -> torch.Tensor:
+        """The routes of every sequence of layer ``layer_idx``, concatenated in sequence order ``(tokens, top_k)``
+        int64 on the CPU: the storage :meth:`layer_routes` ``copy=False`` returns views of (must not be modified).
+
+        Raises:
+            ModelpatchKeyError: ``layer_idx`` is not an MoE layer of the trace.
+        """
+        self.layer_routes(layer_idx, copy=False)  # (re)decodes the layer and its flat tensor together if needed
+        flat: torch.Tensor = self._decoded[("flat", layer_idx)][1]
+        return flat
 
     def max_expert_id(self, layer_idx: int) -> int:
         """The largest expert id of layer ``layer_idx`` over all sequences (``-1`` if no token has a route).

@@ -215,7 +215,7 @@ def _make_class(family: AttentionFamily) -> type[FusedQKVAttention]:
             "__doc__": f"Fused QKV replacement of ``{family.original}``.",
         },
     )
-    globals()[name] = cls  # importable / picklable as modelpatch.recipes.attention.<name>
+    globals()[name] = cls  # importable / picklable as modelpatch.recipes.fused_qkv.decoder.<name>
     return cls
 
 

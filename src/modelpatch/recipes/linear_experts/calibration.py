@@ -6,7 +6,7 @@ expert that no calibration token picks gets no statistics at all ("dead" experts
 few rows. llm-compressor solves this by linearising the MoE block and feeding all tokens to every expert during
 calibration (its ``calibrate_all_experts`` option of the MoE linearisation); this is the same idea for the
 per-expert modules of the ``*-linear-experts`` recipes: inside the block, each expert ``e`` of every
-:class:`~modelpatch.recipes.experts.LinearExperts` is called once on all ``N`` tokens of the layer, and the
+:class:`~modelpatch.recipes.linear_experts.LinearExperts` is called once on all ``N`` tokens of the layer, and the
 layer's output still adds only the rows of the tokens routed to ``e``, weighted as in the plain forward, in the
 same order (so outputs equal the plain forward within fp32 rounding: the only difference is that a matmul over
 ``N`` rows instead of the routed subset may block its sums differently).
@@ -59,7 +59,7 @@ def calibrate_all_experts(model: nn.Module) -> Iterator[list[str]]:
     Source: llm-compressor's MoE calibration (``calibrate_all_experts`` in its linearised MoE modules).
 
     Args:
-        model: a model whose MoE experts are :class:`~modelpatch.recipes.experts.LinearExperts` (loaded or patched
+        model: a model whose MoE experts are :class:`~modelpatch.recipes.linear_experts.LinearExperts` (loaded or patched
             with a ``*-linear-experts`` recipe, or the generic ``linear-experts`` recipe).
 
     Yields:

@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 
-from ...conversion.zero3 import tensor_shape
+from ...conversion.zero3 import batched_zero_init, tensor_shape
 from ...errors import ModelpatchValueError
 from ...integrations.tensor_parallel import TensorParallelError
 from .discovery import (
@@ -266,10 +266,19 @@ class LinearExperts(nn.ModuleList):
     original: ClassVar[ExpertsClass]
     compiled_dispatch: str = "sparse"
     skip_idle_experts: bool = False
+    _z3_leaf: bool = True
+    """DeepSpeed ZeRO-3's leaf-module flag (``deepspeed.utils.set_z3_leaf_modules``): the experts' parameters are
+    fetched together when the module runs, not by a hook per expert linear (the fused original's are one
+    parameter each). Also what keeps ZeRO-3 exact here: the eager loop calls only the experts its rank's tokens
+    hit, and per-module fetches are collectives every rank must make in the same order."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__()
         derived = _derive(_reference(self.original.load(), config, args, kwargs), self.original.name)
+        with batched_zero_init():  # under deepspeed.zero.Init: one broadcast for all experts, not one per linear
+            self._build(config, derived)
+
+    def _build(self, config, derived: dict[str, Any]) -> None:
         flags = derived["flags"]
         names = self.family.names if flags["has_gate"] else self.family.names[-2:]
         self.num_experts = derived["num"]
