@@ -270,6 +270,7 @@ def _suggestions(key: str) -> tuple[list[str], bool]:
 def _names_no_known_class(key: str) -> bool:
     """Whether the exact key or pattern ``key`` names / matches no module class of the installed Transformers
     (imported or not) nor of loaded remote code."""
+
     def unknown() -> bool:
         if key.isidentifier():
             return key not in known_class_names() and not CATALOG.classes_named(key)

@@ -1,0 +1,6 @@
+"""Deprecated alias of :mod:`modelpatch.recipes.linear_experts` (``layer``, ``discovery``, ``recipe``) for one release
+(see :mod:`modelpatch.deprecation`)."""
+
+from ..deprecation import alias
+
+__getattr__ = alias(__name__)
