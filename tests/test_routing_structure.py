@@ -383,7 +383,7 @@ def test_init_docstring_maps_every_module_top_down():
     assert sorted(order) == sorted(set(_modules()) - {"__init__"})
     assert order == [
         "agreement",
-        "session",
+        "driver",
         "compiled",
         "trace",
         "engine_arrays",

@@ -13,7 +13,7 @@ function).
 
 - ``agreement`` — routing drift (R3's measures): :func:`compare_routing` of two traces of the same tokens,
   :func:`routing_drift` of a model against a trace, :class:`RoutingAgreement`.
-- ``session`` — the two context managers; the record session, the replay session and the generate guard over
+- ``driver`` — the two context managers; the record session, the replay session and the generate guard over
   their shared driver, which patches router instances for the length of a block through an ``UndoStack``.
 - ``compiled`` — record and replay inside ``torch.compile`` graphs: the per-forward bookkeeping as ordered
   custom operators (layout, route, end) run by the compiled graph, so blocks add no graph break.
@@ -33,7 +33,7 @@ from .agreement import compare_routing, routing_drift
 from .errors import RouterContractError, RoutingDiscoveryError, RoutingReplayError, RoutingTraceError
 from .kinds import FAMILY_KINDS, kind_for_family
 from .measures import LayerAgreement, RoutingAgreement, RoutingDriftMeter
-from .session import record_routing, replay_routing
+from .driver import record_routing, replay_routing
 from .sites import RouterSite, find_router_sites
 from .trace import RoutingTrace, from_routed_experts, to_routed_experts
 

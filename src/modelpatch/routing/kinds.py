@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 
-def _merge_forced(natural: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+def merge_forced(natural: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
     """Rows of ``forced`` equal to -1 ("no route") take the natural choice of the live router."""
     forced = forced.to(natural.device)
     free = forced[..., :1] < 0
@@ -133,7 +133,7 @@ class _RoutingTopKMode(TorchFunctionMode):
                     f"expected forced indices of shape {tuple(out[1].shape)} (tokens, top_k), "
                     f"received {tuple(self.forced.shape)}"
                 )
-            idx = _merge_forced(out[1], self.forced)
+            idx = merge_forced(out[1], self.forced)
             self.indices = idx
             return torch.return_types.topk((_floor_probabilities(inp, inp.gather(-1, idx)), idx))
         return func(*args, **kwargs)
@@ -261,7 +261,7 @@ class _TableLookupMode(TorchFunctionMode):
                     f"expected forced indices of shape {tuple(out.shape)} (tokens, top_k), "
                     f"received {tuple(self.forced.shape)}"
                 )
-            self.indices = _merge_forced(out.long(), self.forced)
+            self.indices = merge_forced(out.long(), self.forced)
             return self.indices.to(out.dtype)
         return func(*args, **kwargs)
 

@@ -46,7 +46,7 @@ class ForwardLayout:
 _SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature | None] = weakref.WeakKeyDictionary()
 
 
-def _signature_binder(module: torch.nn.Module):
+def signature_binder(module: torch.nn.Module):
     """The signature of ``module.forward`` (``None`` if it has none), memoised per forward function (every record /
     replay block asks for it)."""
     forward = module.forward
@@ -99,7 +99,7 @@ def layout_from_call(  # noqa: C901 - each branch reads one of the forward's opt
     5.24) / ``cache_position``. ``past`` (positions already cached), when given, is used instead of reading the
     cache (the compiled path reads it while tracing).
     """
-    sig = sig or _signature_binder(module)
+    sig = sig or signature_binder(module)
     bound = dict(kwargs)
     if args and sig is not None:
         try:

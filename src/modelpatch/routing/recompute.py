@@ -52,7 +52,7 @@ MARK = "_modelpatch_routing_session"
 _BOUND = "_modelpatch_routing_bound"
 
 
-def _noop(idx) -> None:
+def ignore_indices(idx) -> None:
     return None
 
 
@@ -119,7 +119,7 @@ class RecomputeFrame:
                 forced = source.take(_site)
                 for frame in originals:
                     frame.add(_site, forced)
-                return _site.kind.call(_site, _orig, args, kwargs, forced, _noop)
+                return _site.kind.call(_site, _orig, args, kwargs, forced, ignore_indices)
 
             undo.setattr(router, "forward", forward, raw=True)
 

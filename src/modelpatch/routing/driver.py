@@ -46,13 +46,13 @@ from .compiled import (
     compiled_router_info,
 )
 from .errors import RoutingReplayError, RoutingTraceError
-from .kinds import _merge_forced
-from .layout import ForwardLayout, Slot, _signature_binder, layout_from_call
+from .kinds import merge_forced
+from .layout import ForwardLayout, Slot, signature_binder, layout_from_call
 from .measures import RoutingDriftMeter
 from .recompute import MARK as _MARK
 from .recompute import (
     RecomputeFrame,
-    _noop,
+    ignore_indices,
     active_frames,
     bind_checkpoint_fn,
     is_bound,
@@ -143,7 +143,7 @@ class _SessionDriver:
         self.sites, stack_name, self.num_hidden_layers = find_router_sites(model)
         self.owner = stack_owner(model, stack_name)
         self.layout: ForwardLayout | None = None
-        self._sig = _signature_binder(self.owner)
+        self._sig = signature_binder(self.owner)
         self._undo = UndoStack()  # every change to the model's modules, undone on exit
         self._handles: list[RemovableHandle] = []
         self._last_seqs: list[int] = []
@@ -232,7 +232,7 @@ class _SessionDriver:
             forced = source.take(site)
             for frame in originals:
                 frame.add(site, forced)
-            return site.kind.call(site, forward, args, kwargs, forced, _noop)
+            return site.kind.call(site, forward, args, kwargs, forced, ignore_indices)
         if _in_backward():  # recomputed by a checkpoint no frame is bound to
             return self._route_unbound_recompute(site, forward, args, kwargs, originals)
         return self._route(site, forward, args, kwargs, originals)
@@ -520,7 +520,7 @@ class RecordSession(_SessionDriver):
     ) -> object:
         for frame in originals:
             frame.add(site, None)
-        return site.kind.call(site, forward, args, kwargs, None, _noop)  # not recorded twice
+        return site.kind.call(site, forward, args, kwargs, None, ignore_indices)  # not recorded twice
 
 
 class ReplaySession(_SessionDriver):
@@ -678,7 +678,7 @@ class ReplaySession(_SessionDriver):
             def measure(natural: torch.Tensor) -> None:
                 drift.add(site.layer_idx, natural, forced)
 
-        return site.kind.call(site, forward, args, kwargs, forced, _noop, measure)
+        return site.kind.call(site, forward, args, kwargs, forced, ignore_indices, measure)
 
     def compiled_route(self, site: RouterSite, natural: torch.Tensor) -> torch.Tensor:
         layer = site.layer_idx
@@ -715,7 +715,7 @@ class ReplaySession(_SessionDriver):
             self.drift.add(site.layer_idx, natural, forced)
         if new and not self.free_rows[site.layer_idx] and forced.device == natural.device:
             return forced  # every row a route of the trace: nothing to merge, and no storage of the trace
-        return _merge_forced(natural, forced)
+        return merge_forced(natural, forced)
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self.drift is not None and not _in_backward():
