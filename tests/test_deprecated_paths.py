@@ -19,6 +19,7 @@ NAMES = {
     "modelpatch.recipes.bert": "FusedQKVBertSelfAttention",
     "modelpatch.recipes.experts": "experts_family",
     "modelpatch.recipes.calibration": "calibrate_all_experts",
+    "modelpatch.routing.session": "ReplaySession",
 }
 
 

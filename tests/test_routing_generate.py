@@ -11,7 +11,7 @@ import torch
 import torch.utils.checkpoint
 from transformers import GenerationConfig
 
-import modelpatch.routing.driver as routing_session
+import modelpatch.routing.generate as routing_session
 from modelpatch.routing import RoutingTraceError, record_routing
 from routing_models import tiny_model
 

@@ -29,6 +29,12 @@ MOVED: dict[str, tuple[str, ...]] = {
         "modelpatch.recipes.linear_experts.recipe",
     ),
     "modelpatch.recipes.calibration": ("modelpatch.recipes.linear_experts.calibration",),
+    "modelpatch.routing.session": (
+        "modelpatch.routing.record",
+        "modelpatch.routing.replay",
+        "modelpatch.routing.generate",
+        "modelpatch.routing.driver",
+    ),
 }
 
 

@@ -13,8 +13,11 @@ function).
 
 - ``agreement`` — routing drift (R3's measures): :func:`compare_routing` of two traces of the same tokens,
   :func:`routing_drift` of a model against a trace, :class:`RoutingAgreement`.
-- ``driver`` — the two context managers; the record session, the replay session and the generate guard over
-  their shared driver, which patches router instances for the length of a block through an ``UndoStack``.
+- ``record`` — :func:`record_routing` and its session, which fills a new trace.
+- ``replay`` — :func:`replay_routing` and its session, which forces a trace's experts and checks all were consumed.
+- ``generate`` — the generate guard of a record block: decoding modes that cannot be recorded are refused.
+- ``driver`` — what both sessions share: the driver that patches router instances for the length of a block
+  through an ``UndoStack``, the layout hooks and the dispatch of each router call.
 - ``compiled`` — record and replay inside ``torch.compile`` graphs: the per-forward bookkeeping as ordered
   custom operators (layout, route, end) run by the compiled graph, so blocks add no graph break.
 - ``trace`` — :class:`RoutingTrace`: compact storage, public reading/appending methods, safetensors files, and
@@ -33,7 +36,8 @@ from .agreement import compare_routing, routing_drift
 from .errors import RouterContractError, RoutingDiscoveryError, RoutingReplayError, RoutingTraceError
 from .kinds import FAMILY_KINDS, kind_for_family
 from .measures import LayerAgreement, RoutingAgreement, RoutingDriftMeter
-from .driver import record_routing, replay_routing
+from .record import record_routing
+from .replay import replay_routing
 from .sites import RouterSite, find_router_sites
 from .trace import RoutingTrace, from_routed_experts, to_routed_experts
 

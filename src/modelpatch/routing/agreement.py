@@ -19,7 +19,7 @@ from torch import nn
 
 from .errors import RoutingTraceError
 from .measures import LayerAgreement, RoutingAgreement, RoutingDriftMeter
-from .driver import record_routing
+from .record import record_routing
 from .trace import RoutingTrace
 
 __all__ = ["LayerAgreement", "RoutingAgreement", "RoutingDriftMeter", "compare_routing", "routing_drift"]
