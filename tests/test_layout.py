@@ -173,3 +173,39 @@ def test_every_blind_except_says_why():
         if "# noqa: BLE001" in line and not line.split("# noqa: BLE001", 1)[1].startswith(" - ")
     ]
     assert bare == []
+
+
+def _own_imports(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("modelpatch")):
+            yield node
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A name another module uses is public (within its package at least): ``from .x import _y`` is refused."""
+    found = [
+        f"{path.relative_to(SRC.parent)}:{node.lineno} {alias.name}"
+        for path in sorted(SRC.rglob("*.py"))
+        for node in _own_imports(ast.parse(path.read_text()))
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert found == []
+
+
+def test_imports_of_modelpatch_inside_functions_only_where_the_reason_is_documented():
+    """Outside the CLI (whose docstring gives the reason: start-up cost) and the PEP 562 ``__getattr__`` of the
+    package (``import modelpatch`` does not import the recipes), modelpatch's own modules are imported at module
+    level: an import inside a function would hide a cycle."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        if rel.parts[0] == "cli":
+            continue
+        for func in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if rel.parts == ("__init__.py",) and func.name == "__getattr__":
+                continue
+            found += [f"{rel}:{node.lineno}" for node in _own_imports(func)]
+    assert found == []

@@ -13,6 +13,10 @@ inside a :class:`~.sandbox.CommandSandbox` (registries of its own: nothing the c
 patches file registers is gone afterwards, other threads see theirs unchanged meanwhile), so ``verify``'s
 reference load is always the unpatched model.
 
+A subcommand imports what it runs (recipes, routing, conversion, Transformers' modeling code, safetensors) inside the
+function that needs it: ``modelpatch --help`` and the parser stay fast and print nothing else, and each subcommand
+pays only for its own imports. That is the only reason for the imports inside functions of this package.
+
 Modules: the subcommands (each exposes ``add_parser(subparsers)`` and ``main(args) -> int``) and what they share:
 
 ``verify``      patched load vs unpatched reference: patches, loading, provenance, outputs, round trip

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import torch
 from transformers import core_model_loading as _tcml
 
+from ..undo import UndoStack
 from .compose import ResolvedRules, compose_builtins, transforms_in_force
 from .errors import ConversionError
 from .loading import model_key, prepare, transformers_renamings
@@ -195,8 +196,6 @@ def batched_zero_init() -> Iterator[None]:
     if context is None:
         yield
         return
-    from ..undo import UndoStack
-
     deferred: list = []
 
     def zero_init_param(param) -> None:  # DeepSpeed's _zero_init_param, the broadcast and partition deferred

@@ -39,7 +39,7 @@ from types import ModuleType
 
 from transformers.utils import logging
 
-from ..conversion.errors import OptimizerStateError
+from ..conversion.errors import OptimizerStateError, StateDictLayoutError
 from ..conversion.optimizer import (
     carries_own_layout,
     optimizer_state_dict_in_model_layout,
@@ -151,8 +151,6 @@ def check_fsdp_checkpoint_layout(model, checkpoint, state_dict_type: str) -> Non
         StateDictLayoutError: naming ``resume_from_checkpoint``, the FSDP ``state_dict_type``, the file, and up to
             4 modules with the checkpoint's and the model's parameter names there.
     """
-    from ..conversion.errors import StateDictLayoutError
-
     found = fsdp_checkpoint_keys(checkpoint)
     if found is None:
         return
