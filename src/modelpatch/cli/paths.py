@@ -169,7 +169,13 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
         return padding, PathCheck("routing", "skipped", no_router)
     if record_error is not None:
         return padding, _routing_from_outputs(vanilla, patched, ids, mask, record_error)
-    return padding, _routing(expected_routes, actual_routes, mask)
+    recorded = _routing(expected_routes, actual_routes, mask)
+    read = _routes_from_outputs(vanilla, patched, ids, mask)  # the ids each router returns: what its block uses
+    if recorded.status != "ok" or isinstance(read, str):
+        return padding, recorded
+    via = "expert ids read from the routers' outputs: a router returns experts other than its torch.topk's"
+    returned = _compare_read_routes(*read, mask, via)
+    return padding, returned if returned.status != "ok" else recorded
 
 
 _INDEX_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -239,10 +245,9 @@ def _read_routes(model, sites, ids, mask) -> dict[int, torch.Tensor] | str:
     return routes
 
 
-def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> PathCheck:
-    """The routing check when the patched model's routers cannot be recorded (a router that chooses its experts
-    without one ``torch.topk``, e.g. by ``sort``): the expert ids each router module returns, read from its output,
-    compared with the unpatched router's; skipped with the reason when the patched routers return none."""
+def _routes_from_outputs(vanilla, patched, ids, mask) -> tuple[dict, dict] | str:
+    """``(expected, actual)`` expert ids (``{layer: (B, T, top_k)}``) each router module of the unpatched and the
+    patched model returns, read from its output, or why they cannot be read."""
     from ..routing import find_router_sites
 
     sites = find_router_sites(vanilla)[0]
@@ -250,15 +255,27 @@ def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> Pat
         expected = _read_routes(vanilla, sites, ids, mask)
         actual = _read_routes(patched, sites, ids, mask)
     except Exception as exc:  # noqa: BLE001 - the padding forward of both models ran: a hook cannot make it fail
-        return PathCheck("routing", "FAIL", f"{record_error}; reading the routers' outputs fails: {_error(exc)}")
+        return f"reading the routers' outputs fails: {_error(exc)}"
     if isinstance(expected, str) or isinstance(actual, str):
         why = expected if isinstance(expected, str) else actual
         which = "unpatched" if isinstance(expected, str) else "patched"
-        return PathCheck(
-            "routing",
-            "skipped",
-            f"{record_error}; nor can the expert ids be read from the {which} routers' outputs: {why}",
-        )
+        return f"the expert ids cannot be read from the {which} routers' outputs: {why}"
+    return expected, actual
+
+
+def _disagreement(count: int, tokens: int, layers: int) -> tuple[str, float]:
+    """The words and the rate of ``count`` differing (token, MoE layer) pairs out of ``tokens`` x ``layers``."""
+    pairs = tokens * layers
+    rate = count / pairs if pairs else 0.0
+    text = (
+        f"router disagreement: {count} of {pairs} token-layers (rate {rate:.3g}; {tokens} tokens x {layers} MoE layers)"
+    )
+    return text, rate
+
+
+def _compare_read_routes(expected: dict, actual: dict, mask, via: str) -> PathCheck:
+    """The routing check on expert ids read from the routers' outputs (``{layer: (B, T, top_k)}`` each): the top-k
+    *set* of every non-pad token in every layer must match (the order within a top-k does not change the combine)."""
     real = mask.bool()
     tokens, disagree, first = int(real.sum()), 0, None
     for layer in sorted(expected):
@@ -267,28 +284,38 @@ def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> Pat
         disagree += int(differs.sum())
         if first is None and bool(differs.any()):
             row, token = _first(differs)
-            first = (row, token, layer, sorted(got[row, token].tolist()), sorted(want[row, token].tolist()))
-    via = "expert ids read from the routers' outputs: the routing record cannot drive the patched routers"
+            first = (row, token, layer, got[row, token].tolist(), want[row, token].tolist())
     if first is None:
         return PathCheck(
             "routing", "ok", f"the same experts for all {tokens} tokens x {len(expected)} MoE layers ({via})", 0.0
         )
-    rate = disagree / (tokens * len(expected))
+    text, rate = _disagreement(disagree, tokens, len(expected))
     row, token, layer, got_, want_ = first
     return PathCheck(
         "routing",
         "FAIL",
-        f"router disagreement {rate:.3g} over {tokens} tokens x {len(expected)} MoE layers ({via}); first: row {row}, "
-        f"token {token}, layer {layer}: experts {got_}, unpatched {want_}",
+        f"{text} ({via}); first: row {row}, token {token}, layer {layer}: experts {got_}, unpatched {want_}",
         rate,
         {"row": row, "token": token, "layer": layer},
     )
 
 
-def _routing(expected, actual, mask) -> PathCheck:
-    from ..routing import compare_routing
+def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> PathCheck:
+    """The routing check when the patched model's routers cannot be recorded (a router that chooses its experts
+    without one ``torch.topk``, e.g. by ``sort``): the expert ids each router module returns, read from its output,
+    compared with the unpatched router's; skipped with the reason when the patched routers return none."""
+    read = _routes_from_outputs(vanilla, patched, ids, mask)
+    if isinstance(read, str):
+        status = "FAIL" if read.startswith("reading the routers' outputs fails") else "skipped"
+        return PathCheck("routing", status, f"{record_error}; {read}")
+    via = "expert ids read from the routers' outputs: the routing record cannot drive the patched routers"
+    return _compare_read_routes(*read, mask, via)
 
+
+def _routing(expected, actual, mask) -> PathCheck:
+    """The routing check on the two routing records (the ids of each router's ``torch.topk``)."""
     offsets = [int((row == 0).sum()) for row in mask]  # left pads: a sequence's token t sits at offset + t
+    disagree, first = 0, None
     for layer in expected.layers:
         if layer not in actual.layers:
             return PathCheck(
@@ -303,23 +330,25 @@ def _routing(expected, actual, mask) -> PathCheck:
                     1.0,
                     {"row": row, "layer": layer},
                 )
-            differs = (want.sort(dim=-1).values != got.sort(dim=-1).values).any(dim=-1)
-            if differs.any():
-                token = int(differs.nonzero()[0]) + offsets[row]
-                agreement = compare_routing(expected, actual)
-                where = {"row": row, "token": token, "layer": layer}
-                return PathCheck(
-                    "routing",
-                    "FAIL",
-                    f"router disagreement {agreement.router_disagreement_rate:.3g} over {agreement.tokens} tokens x "
-                    f"{len(expected.layers)} MoE layers; first: row {row}, token {token}, layer {layer}: experts "
-                    f"{sorted(got[int(differs.nonzero()[0])].tolist())}, unpatched {sorted(want[int(differs.nonzero()[0])].tolist())}",
-                    agreement.router_disagreement_rate,
-                    where,
-                )
+            want, got = want.sort(dim=-1).values, got.sort(dim=-1).values
+            differs = (want != got).any(dim=-1)
+            disagree += int(differs.sum())
+            if first is None and bool(differs.any()):
+                t = int(differs.nonzero()[0])
+                first = (row, t + offsets[row], layer, got[t].tolist(), want[t].tolist())
     tokens = sum(expected.sequence_lengths)
+    if first is None:
+        return PathCheck(
+            "routing", "ok", f"the same experts for all {tokens} tokens x {len(expected.layers)} MoE layers", 0.0
+        )
+    text, rate = _disagreement(disagree, tokens, len(expected.layers))
+    row, token, layer, got_, want_ = first
     return PathCheck(
-        "routing", "ok", f"the same experts for all {tokens} tokens x {len(expected.layers)} MoE layers", 0.0
+        "routing",
+        "FAIL",
+        f"{text}; first: row {row}, token {token}, layer {layer}: experts {got_}, unpatched {want_}",
+        rate,
+        {"row": row, "token": token, "layer": layer},
     )
 
 
