@@ -585,3 +585,10 @@ def test_verify_json_is_strict_json_when_the_outputs_are_nan(tmp_path, capsys):
     assert status == 1
     document = json.loads(out, parse_constant=lambda token: pytest.fail(f"non-standard JSON token {token}"))
     assert "NaN" in json.dumps(document)
+    # a NaN is reported as nan by every check that measures a difference (padding and cache said inf)
+    assert document["output"]["max_abs_diff"] == "NaN"
+    figures = {p["name"]: p["figure"] for p in document["paths"]}
+    assert figures["padding"] == figures["cache (dynamic)"] == figures["cache (static)"] == "NaN", figures
+    details = {c["name"]: c["detail"] for c in document["checks"]}
+    assert "max abs diff of logits nan" in details["outputs"] and " nan (atol" in details["padding"]
+    assert details["cache (dynamic)"].startswith("prefill: layer 1 keys differ by nan; first: row 0, token 0")

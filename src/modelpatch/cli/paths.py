@@ -27,6 +27,7 @@ skipped with its reason; a patched model that raises where the unpatched one run
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,19 @@ class _Diverged:
 
     def __str__(self) -> str:
         return self.text
+
+
+def _figure(raw: torch.Tensor, located: torch.Tensor) -> tuple[float, float]:
+    """``(figure, bound)`` of a difference tensor: ``bound`` the largest of ``located`` (``raw`` with NaN as +inf,
+    what the positions beyond atol are found in), ``figure`` the one reported: NaN when ``raw`` holds a NaN (as the
+    ``outputs`` check reports it), else ``bound``."""
+    bound = float(located.max()) if located.numel() else 0.0
+    return (float("nan") if bool(raw.isnan().any()) else bound), bound
+
+
+def _worse(a: float, b: float) -> float:
+    """The larger of two figures, NaN when either is (``max`` drops a NaN in the first place)."""
+    return float("nan") if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _error(exc: BaseException) -> str:
@@ -147,10 +161,11 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
     if actual.shape != expected.shape:
         padding = PathCheck("padding", "FAIL", f"output shape {tuple(actual.shape)}, unpatched {tuple(expected.shape)}")
     else:
-        diff = (actual - expected).abs().amax(dim=-1).nan_to_num(nan=float("inf"))
-        per_token = diff.dim() == 2
-        diff = diff.masked_fill(~real, 0.0) if per_token else diff  # (B, T), or (B,): one output per sequence
-        worst = float(diff.max())
+        raw = (actual - expected).abs().amax(dim=-1)  # amax keeps NaN
+        per_token = raw.dim() == 2
+        raw = raw.masked_fill(~real, 0.0) if per_token else raw  # (B, T), or (B,): one output per sequence
+        diff = raw.nan_to_num(nan=float("inf"))  # a NaN is beyond any atol
+        worst = _figure(raw, diff)[0]
         what = "logits" if has_logits else "last hidden states"
         where_ = f"at {int(real.sum())} non-pad positions" if per_token else f"of {diff.shape[0]} sequences"
         text = f"max abs diff of {what} {where_} {worst:.3g} (atol {atol:g}; {pads} left pad(s))"
@@ -487,12 +502,13 @@ def _compare_cache(want: list, got: list, valid: torch.Tensor, atol: float) -> t
                 )
                 return float("inf"), first if first is not None else diverged
             axis = _TOKEN_AXIS.get(name)
-            diff = (x.float() - y.float()).abs().nan_to_num(nan=float("inf"))
+            diff = (x.float() - y.float()).abs()  # NaN kept: amax propagates it, the figure says nan
             if axis is None or x.dim() <= axis:  # a state of every token so far: (B, ...), compared whole per row
-                per_row = diff.reshape(diff.shape[0], -1).amax(dim=1)
-                top = float(per_row.max())
-                worst = max(worst, top)
-                if top > atol and whole is None:
+                raw = diff.reshape(diff.shape[0], -1).amax(dim=1)
+                per_row = raw.nan_to_num(nan=float("inf"))
+                top, bound = _figure(raw, per_row)
+                worst = _worse(worst, top)
+                if bound > atol and whole is None:
                     row = int((per_row > atol).nonzero()[0])
                     whole = _Diverged(
                         f"layer {layer} {name} differ by {top:.3g}; first: row {row}, layer {layer}",
@@ -502,10 +518,11 @@ def _compare_cache(want: list, got: list, valid: torch.Tensor, atol: float) -> t
                 continue
             width = min(x.shape[axis], valid.shape[1])  # a static cache's unused tail is left out
             diff = diff.narrow(axis, 0, width).movedim(axis, 1)  # (B, T, ...)
-            per_token = diff.reshape(*diff.shape[:2], -1).amax(dim=2).masked_fill(~valid[:, :width], 0.0)  # (B, T)
-            top = float(per_token.max()) if per_token.numel() else 0.0
-            worst = max(worst, top)
-            if top > atol:
+            raw = diff.reshape(*diff.shape[:2], -1).amax(dim=2).masked_fill(~valid[:, :width], 0.0)  # (B, T)
+            per_token = raw.nan_to_num(nan=float("inf"))
+            top, bound = _figure(raw, per_token)
+            worst = _worse(worst, top)
+            if bound > atol:
                 beyond = per_token > atol
                 token = int(beyond.any(dim=0).nonzero()[0])
                 row = int(beyond[:, token].nonzero()[0])
@@ -538,10 +555,11 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
         if a.shape != b.shape:
             logits_first = (step, _Diverged(f"logits {tuple(b.shape)}, unpatched {tuple(a.shape)}", {}, float("inf")))
             break
-        diff = (a.float() - b.float()).abs().amax(dim=-1).nan_to_num(nan=float("inf"))  # (B,)
-        top = float(diff.max())
-        logits_worst = max(logits_worst, top)
-        if top > atol:
+        raw = (a.float() - b.float()).abs().amax(dim=-1)  # (B,)
+        diff = raw.nan_to_num(nan=float("inf"))
+        top, bound = _figure(raw, diff)
+        logits_worst = _worse(logits_worst, top)
+        if bound > atol:
             row, token = int((diff > atol).nonzero()[0]), prompt - 1 + step  # the logits of the token fed at step
             where = {"row": row, "token": token}
             logits_first = (step, _Diverged(f"logits differ by {top:.3g}; first: row {row}, token {token}", where, top))
@@ -558,7 +576,7 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
     if len(snapshots) == steps and any(snapshots[0][0]):
         for step in range(min(last, same) + 1):  # the token fed at step s is the one generated at step s - 1
             worst, diverged = _compare_cache(*snapshots[step], _valid(mask, prompt + step), atol)
-            cache_worst = max(cache_worst, worst)
+            cache_worst = _worse(cache_worst, worst)
             if diverged is not None:
                 cache_first = (step, diverged, "prefill" if step == 0 else f"decode step {step}")
                 break
@@ -592,7 +610,7 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
         "ok",
         f"prefill {prompt} + {steps - 1} decode step(s), left-padded: max abs diff of logits {logits_worst:.3g}, of "
         f"cached states {cache_worst:.3g} (atol {atol:g})",
-        max(logits_worst, cache_worst),
+        _worse(logits_worst, cache_worst),
     )
 
 
