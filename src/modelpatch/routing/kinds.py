@@ -206,7 +206,8 @@ class TopKSelection(RouterKind):
                 f"layer {site.layer_idx} ({type(site.module).__name__}): expected exactly one top-k over "
                 f"{site.num_experts} experts with k={site.top_k} in the router forward, saw {mode.hits}"
             )
-        _check_returned_ids(site, out, mode.indices)
+        if mode.indices is not None:  # one hit sets it
+            _check_returned_ids(site, out, mode.indices)
         sink(mode.indices)
         if natural_sink is not None and forced is not None:
             natural_sink(mode.natural)
