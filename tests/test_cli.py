@@ -196,6 +196,10 @@ def test_the_routing_check_compares_the_experts_a_router_returns_not_its_topk(ch
         assert routing["first_divergence"] == {"row": 0, "token": 0, "layer": 0}
         assert routing["detail"].startswith("router disagreement: 2 of 40 token-layers (rate 0.05; 20 tokens x 2 ")
         assert routing["figure"] == 2 / 40  # token 0 of row 0, in both MoE layers
+        assert (
+            "(expert ids read from the routers' outputs: a router returns experts other than its torch.topk's)"
+            in (routing["detail"])
+        )
     else:
         assert routing["detail"] == "the same experts for all 20 tokens x 2 MoE layers"
 

@@ -323,7 +323,10 @@ def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> Pat
     if isinstance(read, str):
         status = "FAIL" if read.startswith("reading the routers' outputs fails") else "skipped"
         return PathCheck("routing", status, f"{record_error}; {read}")
-    via = "expert ids read from the routers' outputs: the routing record cannot drive the patched routers"
+    if "returns other expert ids than its torch.topk chose" in record_error:  # RouterContractError of the record
+        via = "expert ids read from the routers' outputs: a router returns experts other than its torch.topk's"
+    else:
+        via = "expert ids read from the routers' outputs: the routing record cannot drive the patched routers"
     return _compare_read_routes(*read, mask, via)
 
 
