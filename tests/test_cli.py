@@ -118,9 +118,10 @@ def test_a_router_that_picks_other_experts_fails_the_routing_check(cache, tmp_pa
     assert routing["name"] == "routing" and routing["status"] == "FAIL"
     assert routing["first_divergence"] == {"row": 0, "token": 0, "layer": 0}
     assert 0 < routing["figure"] <= 1  # R3's router disagreement rate over (token, layer) pairs
+    count = round(routing["figure"] * 40)
     assert routing["detail"] == (
-        f"router disagreement {routing['figure']:.3g} over 20 tokens x 2 MoE layers; first: row 0, token 0, layer 0: "
-        "experts [1, 3], unpatched [1, 2]"
+        f"router disagreement: {count} of 40 token-layers (rate {routing['figure']:.3g}; 20 tokens x 2 MoE layers); "
+        "first: row 0, token 0, layer 0: experts [1, 3], unpatched [1, 2]"
     )
 
 
@@ -162,6 +163,45 @@ def test_a_router_without_torch_topk_is_judged_by_the_experts_it_returns(choice,
         assert routing["detail"].startswith("the same experts for all 20 tokens x 2 MoE layers")
     else:
         assert routing["figure"] == 1.0 and routing["first_divergence"] == {"row": 0, "token": 0, "layer": 0}
+
+
+CHANGED_AFTER_TOPK = """
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+class ChangedRouter(Qwen2MoeTopKRouter):
+    def forward(self, hidden_states):
+        logits, scores, idx = super().forward(hidden_states)  # one torch.topk: what the routing record sees
+        idx, scores = idx.clone(), scores.clone()
+        {change}
+        return logits, scores, idx
+
+PATCH_MAPPING = {{"Qwen2MoeTopKRouter": ChangedRouter}}
+"""
+
+
+@pytest.mark.parametrize(
+    "change, status",
+    [
+        ("idx[0, 1] = (idx[0, 1] + 1) % 4\n        idx[0, 1] = (idx[0, 1] + (idx[0, 1] == idx[0, 0])) % 4", "FAIL"),
+        ("idx[-1] = idx[-1].flip(0); scores[-1] = scores[-1].flip(0)", "ok"),  # the same experts in another order
+    ],
+)
+def test_the_routing_check_compares_the_experts_a_router_returns_not_its_topk(change, status, cache, tmp_path, capsys):
+    patches = tmp_path / "changed_router.py"
+    patches.write_text(CHANGED_AFTER_TOPK.format(change=change))
+    code, report = run_json(capsys, ["verify", "--patches", str(patches), "--checks", "routing", "--no-progress"])
+    routing = report["paths"][0]
+    assert routing["status"] == status and code == (0 if status == "ok" else 1), routing
+    if status == "FAIL":  # one token returns another expert than its torch.topk chose
+        assert routing["first_divergence"] == {"row": 0, "token": 0, "layer": 0}
+        assert routing["detail"].startswith("router disagreement: 2 of 40 token-layers (rate 0.05; 20 tokens x 2 ")
+        assert routing["figure"] == 2 / 40  # token 0 of row 0, in both MoE layers
+        assert (
+            "(expert ids read from the routers' outputs: a router returns experts other than its torch.topk's)"
+            in (routing["detail"])
+        )
+    else:
+        assert routing["detail"] == "the same experts for all 20 tokens x 2 MoE layers"
 
 
 def test_example_checkpoint_is_deterministic(cache, tmp_path, monkeypatch):
@@ -549,3 +589,10 @@ def test_verify_json_is_strict_json_when_the_outputs_are_nan(tmp_path, capsys):
     assert status == 1
     document = json.loads(out, parse_constant=lambda token: pytest.fail(f"non-standard JSON token {token}"))
     assert "NaN" in json.dumps(document)
+    # a NaN is reported as nan by every check that measures a difference (padding and cache said inf)
+    assert document["output"]["max_abs_diff"] == "NaN"
+    figures = {p["name"]: p["figure"] for p in document["paths"]}
+    assert figures["padding"] == figures["cache (dynamic)"] == figures["cache (static)"] == "NaN", figures
+    details = {c["name"]: c["detail"] for c in document["checks"]}
+    assert "max abs diff of logits nan" in details["outputs"] and " nan (atol" in details["padding"]
+    assert details["cache (dynamic)"].startswith("prefill: layer 1 keys differ by nan; first: row 0, token 0")

@@ -285,7 +285,7 @@ def test_helper_module_beside_the_file(tmp_path, capsys):
 # -- defect: verify on a folder written by `modelpatch convert` ---------------------------------------------------
 
 
-def test_verify_on_a_converted_folder_says_so(llama, tmp_path, capsys):
+def test_verify_explain_and_convert_on_a_converted_folder_say_so(llama, tmp_path, capsys):
     fused = str(tmp_path / "fused")
     assert main(["convert", llama, fused, "--recipe", "llama-fused-qkv"]) == 0
     capsys.readouterr()
@@ -297,6 +297,18 @@ def test_verify_on_a_converted_folder_says_so(llama, tmp_path, capsys):
         f"verify the original checkpoint instead, or write it back first with `modelpatch convert {fused} OUT "
         "--recipe llama-fused-qkv --reverse`" in err
     )
+    # explain is verify's plan: the same one-line error and exit status, from the headers alone
+    assert one_line_error(capsys, ["explain", "--model", fused, "--recipe", "llama-fused-qkv"]) == err
+    # convert says it too, and writes nothing
+    again = tmp_path / "again"
+    err = one_line_error(capsys, ["convert", fused, str(again), "--recipe", "llama-fused-qkv"])
+    assert err == (
+        f"modelpatch: error: '{fused}' is already in the converted layout of llama-fused-qkv (it has "
+        "'model.layers.0.self_attn.qkv_proj.bias' and no key matching self_attn.q_proj, self_attn.k_proj, "
+        f"self_attn.v_proj); nothing was written. To write it back to the original layout: `modelpatch convert "
+        f"{fused} DST --recipe llama-fused-qkv --reverse`"
+    )
+    assert not again.exists()
 
 
 # -- defect: patches that break the KV cache, the attention mask or the load got PASS (or exit 2) ------------------

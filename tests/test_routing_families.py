@@ -7,9 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from modelpatch.routing import RoutingDiscoveryError, find_router_sites, record_routing, replay_routing
+from modelpatch.routing import (
+    RouterContractError,
+    RoutingDiscoveryError,
+    find_router_sites,
+    record_routing,
+    replay_routing,
+)
 from modelpatch.routing.kinds import HASH_LOOKUP, TOPK
-from routing_models import ExpertsObserver, fill_hash_table, tiny_config
+from routing_models import ExpertsObserver, fill_hash_table, tiny_config, tiny_model
 
 
 def _tiny(model_type: str) -> torch.nn.Module:
@@ -72,3 +78,55 @@ def test_discovery_refuses_families_it_cannot_replay_with_the_reason(model_type,
             pass
     assert str(raised.value).startswith(message), str(raised.value)
     assert all(m.forward == forwards[name] for name, m in model.named_modules())  # nothing installed
+
+
+def _change_returned_ids(model, change):
+    """Make every Qwen2-MoE router of ``model`` return its top-k's ids changed by ``change(idx, scores)``."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+    class Changed(Qwen2MoeTopKRouter):
+        def forward(self, hidden_states):
+            logits, scores, idx = super().forward(hidden_states)  # one torch.topk
+            idx, scores = idx.clone(), scores.clone()
+            change(idx, scores)
+            return logits, scores, idx
+
+    for module in model.modules():
+        if type(module) is Qwen2MoeTopKRouter:
+            module.__class__ = Changed
+
+
+def _other_second_expert(idx, scores):
+    idx[0, 1] = (idx[0, 1] + 1) % 8
+    idx[0, 1] = (idx[0, 1] + (idx[0, 1] == idx[0, 0]).long()) % 8
+
+
+def test_a_router_returning_other_experts_than_its_topk_is_refused_by_record_and_replay():
+    # the block combines the experts the router returns: a trace of the topk's ids would not be what it used
+    model = tiny_model("qwen2_moe").eval()
+    ids = torch.arange(12).reshape(2, 6)
+    with record_routing(model) as trace:
+        model(input_ids=ids)
+    _change_returned_ids(model, _other_second_expert)
+    message = r"layer 0 \(Changed\): the router returns other expert ids than its torch.topk chose \(1 of 12 tokens"
+    with pytest.raises(RouterContractError, match=message):
+        with record_routing(model):
+            model(input_ids=ids)
+    with pytest.raises(RouterContractError, match=message):
+        with replay_routing(model, trace):
+            model(input_ids=ids)
+
+
+def test_a_router_returning_its_topk_experts_in_another_order_is_recorded():
+    model = tiny_model("qwen2_moe").eval()
+    ids = torch.arange(12).reshape(2, 6)
+    with record_routing(model) as expected:
+        model(input_ids=ids)
+    _change_returned_ids(
+        model, lambda idx, scores: (idx[-1].copy_(idx[-1].flip(0)), scores[-1].copy_(scores[-1].flip(0)))
+    )
+    with record_routing(model) as trace:
+        model(input_ids=ids)
+    for layer in expected.layers:
+        for want, got in zip(expected.layer_routes(layer), trace.layer_routes(layer)):
+            assert torch.equal(want, got)

@@ -239,3 +239,37 @@ def test_setattrs_raw_keeps_what_it_set_before_a_failure_for_undo():
     assert not hasattr(target, "a")
     with pytest.raises(TypeError, match="is a class"):
         undo.setattrs_raw(Slotted, {"a": 1})
+
+
+class _WithProperty:
+    def __init__(self) -> None:
+        self._x = 1
+
+    @property
+    def x(self) -> int:
+        return self._x
+
+    @x.setter
+    def x(self, value: int) -> None:
+        self._x = value
+
+
+def test_setattr_of_a_property_with_a_setter_is_undone_through_the_setter():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    holder = _WithProperty()
+    with UndoStack() as undo:  # num_labels, name_or_path: properties with setters and no deleter
+        undo.setattr(config, "num_labels", 5)
+        undo.setattr(config, "name_or_path", "x")
+        undo.setattr(holder, "x", 7)
+        assert (config.num_labels, config.name_or_path, holder.x) == (5, "x", 7)
+    assert (config.num_labels, config.name_or_path, holder.x) == (2, "", 1)
+    assert config.id2label == {0: "LABEL_0", 1: "LABEL_1"}
+
+
+def test_raw_delattr_of_a_missing_name_is_a_clear_attribute_error():
+    undo = UndoStack()
+    with pytest.raises(AttributeError, match="'nope'"):
+        undo.delattr(_WithProperty, "nope", raw=True)
+    assert len(undo) == 0

@@ -79,6 +79,13 @@ class UndoStack:
         ``raw=True`` reads and writes ``vars(target)`` directly (``type.__setattr__`` for classes,
         ``object.__setattr__`` for instances), bypassing a custom ``__setattr__``; the previous value is
         then the one *in the object's own dict*, so an inherited attribute is undone by deleting the own one.
+
+        A name the class defines as a data descriptor (a ``property`` with a setter, such as
+        ``PretrainedConfig.num_labels``) is read with ``getattr`` and undone by setting the previous value back
+        through the descriptor.
+
+        Raises:
+            AttributeError: ``name`` is a data descriptor whose current value cannot be read (nothing is set).
         """
         if raw:
             previous = type(target) if name == "__class__" else vars(target).get(name, ABSENT)
@@ -86,6 +93,8 @@ class UndoStack:
             kind = "raw"
         else:
             previous = _own_value(target, name)
+            if previous is ABSENT and _is_data_descriptor(target, name):
+                previous = _descriptor_value(target, name)
             setattr(target, name, value)
             kind = "attr"
         with self._lock:
@@ -112,9 +121,15 @@ class UndoStack:
                 self._changes.extend(batch)
 
     def delattr(self, target: object, name: str, *, raw: bool = False) -> None:
-        """Delete ``target.name`` (which must exist); undo sets it back."""
+        """Delete ``target.name`` (which must exist); undo sets it back.
+
+        Raises:
+            AttributeError: ``target`` has no such own attribute (``raw=True``: none in ``vars(target)``).
+        """
         if raw:
-            previous = vars(target)[name]
+            previous = vars(target).get(name, ABSENT)
+            if previous is ABSENT:
+                raise AttributeError(f"{_describe(target)} has no attribute {name!r} in its own dict to delete")
             _raw_del(target, name)
             kind = "raw"
         else:
@@ -242,6 +257,26 @@ def _own_value(target: object, name: str) -> object:
         if isinstance(table, dict) and name in table:
             return table[name]
     return ABSENT
+
+
+def _is_data_descriptor(target: object, name: str) -> bool:
+    """Whether the class of ``target`` defines ``name`` as a data descriptor (``__set__``: a property)."""
+    if isinstance(target, type):
+        return False  # class attributes: the metaclass rarely defines descriptors; set and deleted as own values
+    for klass in type(target).__mro__:
+        if name in vars(klass):
+            return hasattr(type(vars(klass)[name]), "__set__")
+    return False
+
+
+def _descriptor_value(target: object, name: str) -> object:
+    try:
+        return getattr(target, name)
+    except AttributeError as error:
+        raise AttributeError(
+            f"cannot record the previous value of {type(target).__name__}.{name} (a data descriptor) to undo "
+            f"setting it: reading it raised {error}"
+        ) from error
 
 
 def _raw_set(target: object, name: str, value: object) -> None:

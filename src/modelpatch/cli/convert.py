@@ -30,6 +30,20 @@ def _model_type(src: str, given: str | None) -> str:
         raise CliError(f"cannot read model_type from '{folder}/config.json'; pass --model-type") from None
 
 
+def _already_converted(src: str, recipe) -> tuple[str, str] | None:
+    """``(a converted key, the source patterns)`` when the folder ``src`` is already in ``recipe``'s converted
+    layout (:func:`.verify.converted_layout_rule`), else ``None`` (also for a source that is not a readable folder)."""
+    from .checkpoint import read_config
+    from .verify import converted_layout_rule
+
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        return None
+    try:
+        return converted_layout_rule(src, recipe, read_config(src))
+    except Exception:  # noqa: BLE001 - only a better message is at stake: the conversion error stands otherwise
+        return None
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "convert", help="write a converted checkpoint (or the reverse)", description=plain(__doc__.split("\n\n")[0])
@@ -63,6 +77,15 @@ def main(args: argparse.Namespace) -> int:
         with recipe.apply():
             rows = convert_checkpoint(args.src, args.dst, model_type, reverse=args.reverse)
     except ConversionError as exc:
+        converted = None if args.reverse else _already_converted(args.src, recipe)
+        if converted is not None:
+            key, sources = converted
+            source_args = f"--patches {args.patches}" if args.patches is not None else f"--recipe {recipe.name}"
+            raise CliError(
+                f"'{args.src}' is already in the converted layout of {recipe.name} (it has '{key}' and no key "
+                f"matching {sources}); nothing was written. To write it back to the original layout: "
+                f"`modelpatch convert {args.src} DST {source_args} --reverse`"
+            ) from None
         other = other_type_rules(recipe, {model_type})
         raise CliError(str(exc).splitlines()[0] + (f"; {other}" if other else "")) from None
     except (OSError, ValueError, SafetensorError) as exc:  # unwritable DST, truncated file, broken index.json

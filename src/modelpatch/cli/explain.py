@@ -45,7 +45,12 @@ def _config(model_dir: str | None, model_type: str | None):
 
 
 def explain(
-    recipe, *, model_dir: str | None = None, model_type: str | None = None, fusion_config: dict | None = None
+    recipe,
+    *,
+    model_dir: str | None = None,
+    model_type: str | None = None,
+    fusion_config: dict | None = None,
+    source_args: str | None = None,
 ) -> dict:
     """The dry run as a JSON-ready dict: ``replaced`` (key → {class: modules}), ``unmatched_keys``,
     ``conflicts`` (messages), ``conversion_rules`` (the rules in force for the model and its sub-models, each with
@@ -59,9 +64,12 @@ def explain(
     ``from_pretrained(..., fusion_config=...)`` would fuse, and a class the recipe replaces that a fusion would
     also replace among the ``conflicts``.
 
+    ``source_args``: how the recipe was given on the command line (default ``--recipe <recipe.name>``), used in the
+    advice for a folder already in the recipe's converted layout.
+
     Raises:
         CliError: missing folder / unknown model type / unreadable checkpoint files (a truncated safetensors file, an
-            index naming a missing shard).
+            index naming a missing shard) / a folder already in the recipe's converted layout (``verify``'s message).
     """
     from ..conversion.manual import resolve_transforms
     from ..conversion.rules import match_rule
@@ -72,6 +80,18 @@ def explain(
         fusion_config = getattr(config, "fusion_config", None)
     check_recipe_fits(recipe, config_names(config), f"'{model_dir}'" if model_dir else f"model type {model_type!r}")
     model, findings = static_findings(recipe, config, model_dir)
+    if model_dir is not None and findings.vanilla_missing:
+        from .verify import converted_layout_error
+
+        problem = converted_layout_error(
+            model_dir,
+            recipe,
+            config,
+            {"missing_keys": findings.vanilla_missing},
+            source_args or f"--recipe {recipe.name}",
+        )
+        if problem is not None:
+            raise CliError(problem)
     replaced: dict[str, dict[str, int]] = {key: {} for key in recipe.patch_mapping}
     for module in model.modules() if model is not None else ():
         found = provenance(module)
@@ -222,6 +242,9 @@ def add_parser(subparsers) -> None:
 def main(args: argparse.Namespace) -> int:
     recipe = resolve_patches(args.recipe, args.patches)
     fusion = dict.fromkeys(args.fusion, True) if getattr(args, "fusion", None) else None
-    report = explain(recipe, model_dir=args.model, model_type=args.model_type, fusion_config=fusion)
+    source_args = f"--patches {args.patches}" if args.patches is not None else f"--recipe {recipe.name}"
+    report = explain(
+        recipe, model_dir=args.model, model_type=args.model_type, fusion_config=fusion, source_args=source_args
+    )
     emit(strict_json(report) if args.json else render(report))
     return EXIT_FAILED_CHECK if any(report["problems"].values()) else 0

@@ -27,6 +27,7 @@ skipped with its reason; a patched model that raises where the unpatched one run
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,19 @@ class _Diverged:
         return self.text
 
 
+def _figure(raw: torch.Tensor, located: torch.Tensor) -> tuple[float, float]:
+    """``(figure, bound)`` of a difference tensor: ``bound`` the largest of ``located`` (``raw`` with NaN as +inf,
+    what the positions beyond atol are found in), ``figure`` the one reported: NaN when ``raw`` holds a NaN (as the
+    ``outputs`` check reports it), else ``bound``."""
+    bound = float(located.max()) if located.numel() else 0.0
+    return (float("nan") if bool(raw.isnan().any()) else bound), bound
+
+
+def _worse(a: float, b: float) -> float:
+    """The larger of two figures, NaN when either is (``max`` drops a NaN in the first place)."""
+    return float("nan") if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 def _error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
@@ -99,6 +113,30 @@ def left_padded(inputs: dict, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         padded[i, width - len(row) :] = row
         attention[i, width - len(row) :] = 1
     return padded, attention
+
+
+def _padding_check(actual, expected, mask, atol: float, has_logits: bool) -> PathCheck:
+    """The patched model's outputs on a left-padded batch against the unpatched model's, at the non-pad positions."""
+    pads = int((mask == 0).sum())
+    real = mask.bool()
+    if actual.shape != expected.shape:
+        return PathCheck("padding", "FAIL", f"output shape {tuple(actual.shape)}, unpatched {tuple(expected.shape)}")
+    raw = (actual - expected).abs().amax(dim=-1)  # amax keeps NaN
+    per_token = raw.dim() == 2
+    raw = raw.masked_fill(~real, 0.0) if per_token else raw  # (B, T), or (B,): one output per sequence
+    diff = raw.nan_to_num(nan=float("inf"))  # a NaN is beyond any atol
+    worst = _figure(raw, diff)[0]
+    what = "logits" if has_logits else "last hidden states"
+    where_ = f"at {int(real.sum())} non-pad positions" if per_token else f"of {diff.shape[0]} sequences"
+    text = f"max abs diff of {what} {where_} {worst:.3g} (atol {atol:g}; {pads} left pad(s))"
+    if worst <= atol:
+        return PathCheck("padding", "ok", text, worst)
+    if per_token:
+        row, token = _first(diff > atol)
+        where = {"row": row, "token": token}
+        return PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}, token {token}", worst, where)
+    row = _first(diff > atol)[0]
+    return PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}", worst, {"row": row})
 
 
 @torch.no_grad()
@@ -149,30 +187,13 @@ def _padding(vanilla, patched, ids, mask, atol: float, routing: bool) -> tuple[P
         return padding, PathCheck("routing", "skipped", no_router)
     if record_error is not None:
         return padding, _routing_from_outputs(vanilla, patched, ids, mask, record_error)
-    return padding, _routing(expected_routes, actual_routes, mask)
-
-
-def _padding_check(actual, expected, mask, atol: float, has_logits: bool) -> PathCheck:
-    """The patched model's outputs on a left-padded batch against the unpatched model's, at the non-pad positions."""
-    pads = int((mask == 0).sum())
-    real = mask.bool()
-    if actual.shape != expected.shape:
-        return PathCheck("padding", "FAIL", f"output shape {tuple(actual.shape)}, unpatched {tuple(expected.shape)}")
-    diff = (actual - expected).abs().amax(dim=-1).nan_to_num(nan=float("inf"))
-    per_token = diff.dim() == 2
-    diff = diff.masked_fill(~real, 0.0) if per_token else diff  # (B, T), or (B,): one output per sequence
-    worst = float(diff.max())
-    what = "logits" if has_logits else "last hidden states"
-    where_ = f"at {int(real.sum())} non-pad positions" if per_token else f"of {diff.shape[0]} sequences"
-    text = f"max abs diff of {what} {where_} {worst:.3g} (atol {atol:g}; {pads} left pad(s))"
-    if worst <= atol:
-        return PathCheck("padding", "ok", text, worst)
-    if per_token:
-        row, token = _first(diff > atol)
-        where = {"row": row, "token": token}
-        return PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}, token {token}", worst, where)
-    row = _first(diff > atol)[0]
-    return PathCheck("padding", "FAIL", f"{text}; first beyond atol: row {row}", worst, {"row": row})
+    recorded = _routing(expected_routes, actual_routes, mask)
+    read = _routes_from_outputs(vanilla, patched, ids, mask)  # the ids each router returns: what its block uses
+    if recorded.status != "ok" or isinstance(read, str):
+        return padding, recorded
+    via = "expert ids read from the routers' outputs: a router returns experts other than its torch.topk's"
+    returned = _compare_read_routes(*read, mask, via)
+    return padding, returned if returned.status != "ok" else recorded
 
 
 _INDEX_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -242,10 +263,9 @@ def _read_routes(model, sites, ids, mask) -> dict[int, torch.Tensor] | str:
     return routes
 
 
-def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> PathCheck:
-    """The routing check when the patched model's routers cannot be recorded (a router that chooses its experts
-    without one ``torch.topk``, e.g. by ``sort``): the expert ids each router module returns, read from its output,
-    compared with the unpatched router's; skipped with the reason when the patched routers return none."""
+def _routes_from_outputs(vanilla, patched, ids, mask) -> tuple[dict, dict] | str:
+    """``(expected, actual)`` expert ids (``{layer: (B, T, top_k)}``) each router module of the unpatched and the
+    patched model returns, read from its output, or why they cannot be read."""
     from ..routing import find_router_sites
 
     sites = find_router_sites(vanilla)[0]
@@ -253,15 +273,27 @@ def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> Pat
         expected = _read_routes(vanilla, sites, ids, mask)
         actual = _read_routes(patched, sites, ids, mask)
     except Exception as exc:  # noqa: BLE001 - the padding forward of both models ran: a hook cannot make it fail
-        return PathCheck("routing", "FAIL", f"{record_error}; reading the routers' outputs fails: {_error(exc)}")
+        return f"reading the routers' outputs fails: {_error(exc)}"
     if isinstance(expected, str) or isinstance(actual, str):
         why = expected if isinstance(expected, str) else actual
         which = "unpatched" if isinstance(expected, str) else "patched"
-        return PathCheck(
-            "routing",
-            "skipped",
-            f"{record_error}; nor can the expert ids be read from the {which} routers' outputs: {why}",
-        )
+        return f"the expert ids cannot be read from the {which} routers' outputs: {why}"
+    return expected, actual
+
+
+def _disagreement(count: int, tokens: int, layers: int) -> tuple[str, float]:
+    """The words and the rate of ``count`` differing (token, MoE layer) pairs out of ``tokens`` x ``layers``."""
+    pairs = tokens * layers
+    rate = count / pairs if pairs else 0.0
+    text = (
+        f"router disagreement: {count} of {pairs} token-layers (rate {rate:.3g}; {tokens} tokens x {layers} MoE layers)"
+    )
+    return text, rate
+
+
+def _compare_read_routes(expected: dict, actual: dict, mask, via: str) -> PathCheck:
+    """The routing check on expert ids read from the routers' outputs (``{layer: (B, T, top_k)}`` each): the top-k
+    *set* of every non-pad token in every layer must match (the order within a top-k does not change the combine)."""
     real = mask.bool()
     tokens, disagree, first = int(real.sum()), 0, None
     for layer in sorted(expected):
@@ -270,28 +302,41 @@ def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> Pat
         disagree += int(differs.sum())
         if first is None and bool(differs.any()):
             row, token = _first(differs)
-            first = (row, token, layer, sorted(got[row, token].tolist()), sorted(want[row, token].tolist()))
-    via = "expert ids read from the routers' outputs: the routing record cannot drive the patched routers"
+            first = (row, token, layer, got[row, token].tolist(), want[row, token].tolist())
     if first is None:
         return PathCheck(
             "routing", "ok", f"the same experts for all {tokens} tokens x {len(expected)} MoE layers ({via})", 0.0
         )
-    rate = disagree / (tokens * len(expected))
+    text, rate = _disagreement(disagree, tokens, len(expected))
     row, token, layer, got_, want_ = first
     return PathCheck(
         "routing",
         "FAIL",
-        f"router disagreement {rate:.3g} over {tokens} tokens x {len(expected)} MoE layers ({via}); first: row {row}, "
-        f"token {token}, layer {layer}: experts {got_}, unpatched {want_}",
+        f"{text} ({via}); first: row {row}, token {token}, layer {layer}: experts {got_}, unpatched {want_}",
         rate,
         {"row": row, "token": token, "layer": layer},
     )
 
 
-def _routing(expected, actual, mask) -> PathCheck:
-    from ..routing import compare_routing
+def _routing_from_outputs(vanilla, patched, ids, mask, record_error: str) -> PathCheck:
+    """The routing check when the patched model's routers cannot be recorded (a router that chooses its experts
+    without one ``torch.topk``, e.g. by ``sort``): the expert ids each router module returns, read from its output,
+    compared with the unpatched router's; skipped with the reason when the patched routers return none."""
+    read = _routes_from_outputs(vanilla, patched, ids, mask)
+    if isinstance(read, str):
+        status = "FAIL" if read.startswith("reading the routers' outputs fails") else "skipped"
+        return PathCheck("routing", status, f"{record_error}; {read}")
+    if "returns other expert ids than its torch.topk chose" in record_error:  # RouterContractError of the record
+        via = "expert ids read from the routers' outputs: a router returns experts other than its torch.topk's"
+    else:
+        via = "expert ids read from the routers' outputs: the routing record cannot drive the patched routers"
+    return _compare_read_routes(*read, mask, via)
 
+
+def _routing(expected, actual, mask) -> PathCheck:
+    """The routing check on the two routing records (the ids of each router's ``torch.topk``)."""
     offsets = [int((row == 0).sum()) for row in mask]  # left pads: a sequence's token t sits at offset + t
+    disagree, first = 0, None
     for layer in expected.layers:
         if layer not in actual.layers:
             return PathCheck(
@@ -306,23 +351,25 @@ def _routing(expected, actual, mask) -> PathCheck:
                     1.0,
                     {"row": row, "layer": layer},
                 )
-            differs = (want.sort(dim=-1).values != got.sort(dim=-1).values).any(dim=-1)
-            if differs.any():
-                token = int(differs.nonzero()[0]) + offsets[row]
-                agreement = compare_routing(expected, actual)
-                where = {"row": row, "token": token, "layer": layer}
-                return PathCheck(
-                    "routing",
-                    "FAIL",
-                    f"router disagreement {agreement.router_disagreement_rate:.3g} over {agreement.tokens} tokens x "
-                    f"{len(expected.layers)} MoE layers; first: row {row}, token {token}, layer {layer}: experts "
-                    f"{sorted(got[int(differs.nonzero()[0])].tolist())}, unpatched {sorted(want[int(differs.nonzero()[0])].tolist())}",
-                    agreement.router_disagreement_rate,
-                    where,
-                )
+            want, got = want.sort(dim=-1).values, got.sort(dim=-1).values
+            differs = (want != got).any(dim=-1)
+            disagree += int(differs.sum())
+            if first is None and bool(differs.any()):
+                t = int(differs.nonzero()[0])
+                first = (row, t + offsets[row], layer, got[t].tolist(), want[t].tolist())
     tokens = sum(expected.sequence_lengths)
+    if first is None:
+        return PathCheck(
+            "routing", "ok", f"the same experts for all {tokens} tokens x {len(expected.layers)} MoE layers", 0.0
+        )
+    text, rate = _disagreement(disagree, tokens, len(expected.layers))
+    row, token, layer, got_, want_ = first
     return PathCheck(
-        "routing", "ok", f"the same experts for all {tokens} tokens x {len(expected.layers)} MoE layers", 0.0
+        "routing",
+        "FAIL",
+        f"{text}; first: row {row}, token {token}, layer {layer}: experts {got_}, unpatched {want_}",
+        rate,
+        {"row": row, "token": token, "layer": layer},
     )
 
 
@@ -461,12 +508,13 @@ def _compare_cache(want: list, got: list, valid: torch.Tensor, atol: float) -> t
                 )
                 return float("inf"), first if first is not None else diverged
             axis = _TOKEN_AXIS.get(name)
-            diff = (x.float() - y.float()).abs().nan_to_num(nan=float("inf"))
+            diff = (x.float() - y.float()).abs()  # NaN kept: amax propagates it, the figure says nan
             if axis is None or x.dim() <= axis:  # a state of every token so far: (B, ...), compared whole per row
-                per_row = diff.reshape(diff.shape[0], -1).amax(dim=1)
-                top = float(per_row.max())
-                worst = max(worst, top)
-                if top > atol and whole is None:
+                raw = diff.reshape(diff.shape[0], -1).amax(dim=1)
+                per_row = raw.nan_to_num(nan=float("inf"))
+                top, bound = _figure(raw, per_row)
+                worst = _worse(worst, top)
+                if bound > atol and whole is None:
                     row = int((per_row > atol).nonzero()[0])
                     whole = _Diverged(
                         f"layer {layer} {name} differ by {top:.3g}; first: row {row}, layer {layer}",
@@ -476,10 +524,11 @@ def _compare_cache(want: list, got: list, valid: torch.Tensor, atol: float) -> t
                 continue
             width = min(x.shape[axis], valid.shape[1])  # a static cache's unused tail is left out
             diff = diff.narrow(axis, 0, width).movedim(axis, 1)  # (B, T, ...)
-            per_token = diff.reshape(*diff.shape[:2], -1).amax(dim=2).masked_fill(~valid[:, :width], 0.0)  # (B, T)
-            top = float(per_token.max()) if per_token.numel() else 0.0
-            worst = max(worst, top)
-            if top > atol:
+            raw = diff.reshape(*diff.shape[:2], -1).amax(dim=2).masked_fill(~valid[:, :width], 0.0)  # (B, T)
+            per_token = raw.nan_to_num(nan=float("inf"))
+            top, bound = _figure(raw, per_token)
+            worst = _worse(worst, top)
+            if bound > atol:
                 beyond = per_token > atol
                 token = int(beyond.any(dim=0).nonzero()[0])
                 row = int(beyond[:, token].nonzero()[0])
@@ -512,10 +561,11 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
         if a.shape != b.shape:
             logits_first = (step, _Diverged(f"logits {tuple(b.shape)}, unpatched {tuple(a.shape)}", {}, float("inf")))
             break
-        diff = (a.float() - b.float()).abs().amax(dim=-1).nan_to_num(nan=float("inf"))  # (B,)
-        top = float(diff.max())
-        logits_worst = max(logits_worst, top)
-        if top > atol:
+        raw = (a.float() - b.float()).abs().amax(dim=-1)  # (B,)
+        diff = raw.nan_to_num(nan=float("inf"))
+        top, bound = _figure(raw, diff)
+        logits_worst = _worse(logits_worst, top)
+        if bound > atol:
             row, token = int((diff > atol).nonzero()[0]), prompt - 1 + step  # the logits of the token fed at step
             where = {"row": row, "token": token}
             logits_first = (step, _Diverged(f"logits differ by {top:.3g}; first: row {row}, token {token}", where, top))
@@ -532,7 +582,7 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
     if len(snapshots) == steps and any(snapshots[0][0]):
         for step in range(min(last, same) + 1):  # the token fed at step s is the one generated at step s - 1
             worst, diverged = _compare_cache(*snapshots[step], _valid(mask, prompt + step), atol)
-            cache_worst = max(cache_worst, worst)
+            cache_worst = _worse(cache_worst, worst)
             if diverged is not None:
                 cache_first = (step, diverged, "prefill" if step == 0 else f"decode step {step}")
                 break
@@ -566,7 +616,7 @@ def _cache_check(run: _Decoded, mask: torch.Tensor, atol: float) -> PathCheck:
         "ok",
         f"prefill {prompt} + {steps - 1} decode step(s), left-padded: max abs diff of logits {logits_worst:.3g}, of "
         f"cached states {cache_worst:.3g} (atol {atol:g})",
-        max(logits_worst, cache_worst),
+        _worse(logits_worst, cache_worst),
     )
 
 

@@ -56,6 +56,8 @@ class Findings:
         load_error: the loader's own message when a load failed for a reason none of the above names.
         replaced: modules the patch replaced (``None``: not counted here; ``verify`` states the count itself).
         build_error: why the patched model cannot be built at all (an exception of a replacement's ``__init__``).
+        vanilla_missing: model keys of the *unpatched* model no checkpoint key fills (a checkpoint already in a
+            recipe's converted layout leaves them random in the reference load).
     """
 
     unmatched_keys: list[str] = field(default_factory=list)
@@ -68,6 +70,7 @@ class Findings:
     other_types: str | None = None
     load_error: str | None = None
     replaced: int | None = None
+    vanilla_missing: list[str] = field(default_factory=list)
     build_error: str | None = None
 
 
@@ -270,6 +273,7 @@ def static_findings(recipe, config, model_dir: str | None = None) -> tuple[Any, 
     vanilla = _analyse(build_on_meta(config), headers)
     findings.mismatched = patched.mismatched
     findings.load_error = patched.error
+    findings.vanilla_missing = sorted(vanilla.missing)
     if patched.error is None and not patched.mismatched:
         findings.missing = sorted(patched.missing - vanilla.missing)
         findings.unexpected = sorted(patched.unexpected - vanilla.unexpected)

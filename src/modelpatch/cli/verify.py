@@ -68,7 +68,16 @@ from .sources import check_recipe_fits, config_names, resolve_patches
 from .train_check import DEFAULT_STEPS, DEFAULT_TOKENS, OPTIMIZERS, TrainResult, run_train_check
 from .train_check import render as render_training
 
-__all__ = ["Check", "VerifyResult", "TrainSettings", "run_verify", "converted_layout_error", "add_parser", "DTYPES"]
+__all__ = [
+    "Check",
+    "VerifyResult",
+    "TrainSettings",
+    "run_verify",
+    "converted_layout_error",
+    "converted_layout_rule",
+    "add_parser",
+    "DTYPES",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -403,20 +412,13 @@ def _load_for_training(cls, path: str, recipe: Recipe | None, dtype: torch.dtype
         raise CliError(f"{name} {which} load of '{path}' for --train failed: {type(exc).__name__}: {exc}") from None
 
 
-def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info: dict, source_args: str) -> str | None:
-    """The one-line error for a checkpoint already in the layout ``recipe`` converts to (e.g. written by
-    ``modelpatch convert``), or ``None``.
-
-    Such a folder is reported when a converter of the recipe finds no checkpoint key of its source layout but keys
-    of its target layout, and the unpatched load left parameters missing (randomly initialised): comparing with that
-    reference would blame the patch for the checkpoint's layout.
-    """
+def converted_layout_rule(model_dir: str, recipe: Recipe, config) -> tuple[str, str] | None:
+    """``(a converted key, the source patterns)`` when a converter of ``recipe`` finds no checkpoint key of its
+    source layout in ``model_dir`` but a key of its target layout (a folder written by ``modelpatch convert``), or
+    ``None``."""
     from ..conversion.compose import has_target_layout
     from ..conversion.rules import WeightConverter, as_modelpatch_rule, match_rule, original_patterns
 
-    missing = sorted(str(k) for k in vanilla_info.get("missing_keys") or ())
-    if not missing:
-        return None
     names = config_names(config)
     keys = checkpoint_keys(model_dir)
     for name, rules in recipe.build_conversion_rules().items():
@@ -427,17 +429,33 @@ def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info:
             if not isinstance(rule, WeightConverter) or any(match_rule(rule, key) is not None for key in keys):
                 continue
             converted = next((key for key in keys if has_target_layout(rule, [key])), None)
-            if converted is None:
-                continue
-            sources = ", ".join(original_patterns(rule)[0])
-            return (
-                f"'{model_dir}' is already in the converted layout of {recipe.name} (it has '{converted}' and no "
-                f"key matching {sources}), so the unpatched reference load would leave {len(missing)} parameter(s) "
-                f"random (e.g. '{missing[0]}') and nothing can be compared; verify the original checkpoint instead, "
-                f"or write it back first with `modelpatch convert {model_dir} OUT {source_args} --reverse` and "
-                f"verify OUT"
-            )
+            if converted is not None:
+                return converted, ", ".join(original_patterns(rule)[0])
     return None
+
+
+def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info: dict, source_args: str) -> str | None:
+    """The one-line error for a checkpoint already in the layout ``recipe`` converts to (e.g. written by
+    ``modelpatch convert``), or ``None``; ``explain`` gives the same from the checkpoint's headers.
+
+    Such a folder is reported when a converter of the recipe finds no checkpoint key of its source layout but keys
+    of its target layout (:func:`converted_layout_rule`), and the unpatched load left parameters missing (randomly
+    initialised): comparing with that reference would blame the patch for the checkpoint's layout.
+    """
+    missing = sorted(str(k) for k in vanilla_info.get("missing_keys") or ())
+    if not missing:
+        return None
+    found = converted_layout_rule(model_dir, recipe, config)
+    if found is None:
+        return None
+    converted, sources = found
+    return (
+        f"'{model_dir}' is already in the converted layout of {recipe.name} (it has '{converted}' and no "
+        f"key matching {sources}), so the unpatched reference load would leave {len(missing)} parameter(s) "
+        f"random (e.g. '{missing[0]}') and nothing can be compared; verify the original checkpoint instead, "
+        f"or write it back first with `modelpatch convert {model_dir} OUT {source_args} --reverse` and "
+        f"verify OUT"
+    )
 
 
 def _failed_load(result: VerifyResult, recipe: Recipe, config, model_dir: str, exc: Exception, checks) -> VerifyResult:

@@ -139,6 +139,44 @@ class _RoutingTopKMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_INDEX_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _check_returned_ids(site, out: object, indices: torch.Tensor) -> None:
+    """Refuse a router whose output carries expert ids other than those of its routing top-k (``indices``,
+    ``(tokens, top_k)``): the MoE block combines the experts the router *returns*, so a trace of the top-k's
+    ids would not be what the block used, and forcing the top-k would not force the block.
+
+    The output's integer tensors of ``tokens * top_k`` elements are the candidates; the tensor the top-k
+    returned itself (the stock routers) is accepted without a comparison (no device sync). With one other
+    candidate its top-k *sets* must equal ``indices``' (the order within a top-k does not change the combine).
+
+    Raises:
+        RouterContractError: the router returns other expert ids than its top-k chose.
+    """
+    if torch.compiler.is_compiling():
+        return
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    tokens, top_k = indices.shape[0], indices.shape[-1]
+    candidates = [
+        t
+        for t in outs
+        if isinstance(t, torch.Tensor) and t.dtype in _INDEX_DTYPES and t.numel() == tokens * top_k and t.dim() >= 1
+    ]
+    if len(candidates) != 1 or candidates[0] is indices or candidates[0].shape[-1] != top_k:
+        return
+    returned = candidates[0].reshape(tokens, top_k).long().sort(dim=-1).values
+    differs = (returned != indices.long().sort(dim=-1).values).any(dim=-1)
+    if bool(differs.any()):
+        token = int(differs.nonzero()[0])
+        raise RouterContractError(
+            f"layer {site.layer_idx} ({type(site.module).__name__}): the router returns other expert ids than its "
+            f"torch.topk chose ({int(differs.sum())} of {tokens} tokens; first token {token}: returns "
+            f"{returned[token].tolist()}, topk {sorted(indices[token].tolist())}): a routing record or replay "
+            "would not be the experts its MoE block uses"
+        )
+
+
 def _floor_probabilities(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Keep forced weights gathered from probabilities (softmax/sigmoid, all >= 0) above zero.
 
@@ -168,6 +206,8 @@ class TopKSelection(RouterKind):
                 f"layer {site.layer_idx} ({type(site.module).__name__}): expected exactly one top-k over "
                 f"{site.num_experts} experts with k={site.top_k} in the router forward, saw {mode.hits}"
             )
+        if mode.indices is not None:  # one hit sets it
+            _check_returned_ids(site, out, mode.indices)
         sink(mode.indices)
         if natural_sink is not None and forced is not None:
             natural_sink(mode.natural)
