@@ -334,3 +334,10 @@ def main(checkpoints: str, out: str, phases: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3])
+    # Every result the test reads is on disk now. At interpreter exit a DeepSpeed/gloo C++ thread is sometimes
+    # still joinable, and std::terminate aborts the process ("terminate called without an active exception", a
+    # SIGABRT seen once in a full suite): leave without running the finalizers. An error in main() still raises
+    # above, with its exit status.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
