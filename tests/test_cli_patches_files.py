@@ -429,11 +429,14 @@ def test_a_hybrid_models_linear_attention_state_is_compared_and_named(tmp_path, 
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
         class BadConvState(Qwen3NextGatedDeltaNet):
-            def forward(self, hidden_states, cache_params=None, **kwargs):
-                out = super().forward(hidden_states, cache_params=cache_params, **kwargs)
-                if cache_params is not None and hidden_states.shape[1] > 1:
-                    cache = cache_params
-                    cache.layers[self.layer_idx].conv_states[0].mul_(1.5)
+            def forward(self, hidden_states, *args, **kwargs):
+                out = super().forward(hidden_states, *args, **kwargs)
+                cache = kwargs.get("cache_params", kwargs.get("cache"))  # 5.23 names it cache_params, 5.24+ cache
+                if cache is not None and hidden_states.shape[1] > 1:
+                    if hasattr(cache, "get_conv_state"):  # 5.24+
+                        cache.get_conv_state(self.layer_idx, state_idx=0).mul_(1.5)
+                    else:
+                        cache.layers[self.layer_idx].conv_states[0].mul_(1.5)
                 return out
 
         PATCH_MAPPING = {"Qwen3NextGatedDeltaNet": BadConvState}
