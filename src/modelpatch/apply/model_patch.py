@@ -40,11 +40,11 @@ import torch.nn as nn
 from transformers.utils import logging
 
 from ..conversion.compose import ResolvedRules, resolve_model_rules
-from ..conversion.errors import ConversionError, ConversionShapeError
+from ..conversion.errors import ConversionError
 from ..conversion.registry import rulesets_in_force, scoped_rulesets
 from ..conversion.rules import rule_layout
 from ..conversion.state import STATE_ATTR, ConversionState, get_state, set_state
-from ..conversion.transfer import TransferRules, transfer_rules
+from ..conversion.transfer import transfer_rules
 from ..errors import ModelpatchRuntimeError, ModelpatchValueError
 from ..patching.registry import build_patch_mapping, registered_patch_mapping
 from ..undo import ABSENT, UndoStack
@@ -90,11 +90,10 @@ class ModelPatch:
         reverted: whether :meth:`revert` ran.
     """
 
-    def __init__(self, model: nn.Module, transfer: TransferRules | None, keep_original: bool) -> None:
+    def __init__(self, model: nn.Module, keep_original: bool) -> None:
         self.model = model
         self.keep_original = keep_original
         self.reverted = False
-        self._transfer = transfer
         self._swaps: list[Swap] = []
         self._undo = UndoStack()
         self._bound: list[WeightTransform] = []  # user rules bound to the model for saving
@@ -175,29 +174,21 @@ class ModelPatch:
         _forget(self.model, self)
 
     def _write_back(self, swap: Swap) -> None:
-        assert swap.replacement is not None and self._transfer is not None
+        assert swap.replacement is not None
         prefix = swap.path + "."
         current = {prefix + k: t for k, t in swap.replacement.state_dict(keep_vars=True).items()}
-        shapes = {k: shape for k, (shape, _) in swap.layout.items()}
         with torch.no_grad():
-            result = self._transfer.to_model(current, swap.fired, swap.recorded, shapes, self.model)
-            for key in swap.extra:
-                result.tensors.pop(key, None)
-            if set(result.tensors) != set(swap.sources):
-                raise ConversionError(
-                    f"revert of {swap.path}: the inverse rules gave {sorted(result.tensors)}, expected the original "
-                    f"keys {sorted(swap.sources)}; the model was left patched"
-                )
-            values = owned_tensors(result.tensors, keep_ids={id(t) for t in swap.sources.values()})
+            back = swap.move.inverse(current, f"revert of {swap.path} (the model was left patched)")
+            values = owned_tensors(back, keep_ids={id(t) for t in swap.sources.values()})
             for key, value in values.items():
                 target = swap.sources[key]
                 if value is target:
                     continue
-                shape, stride = swap.layout[key]
-                if tuple(value.shape) != shape:
-                    raise ConversionShapeError(key, value.shape, shape, "revert of patch_model")
+                stride = swap.strides[key]
                 if tuple(value.stride()) != stride:
-                    value = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device).copy_(value)
+                    value = torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(
+                        value
+                    )
                 target.data = value.detach()
 
     # -- optimizers ---------------------------------------------------------------------------------------------
@@ -347,7 +338,7 @@ def patch_model(
     elif overwrite:
         raise ModelpatchValueError("patch_model(overwrite=...) applies to conversion_rules, and none were given")
     targets = find_targets(model, resolved_mapping, strict)
-    patch = ModelPatch(model, None, keep_original)
+    patch = ModelPatch(model, keep_original)
     if not targets:
         return patch
     refuse_quantized(model, targets)
@@ -355,7 +346,6 @@ def patch_model(
         user = resolve_model_rules(model) or ResolvedRules()
         strict_rules = strict or user.strict
         transfer = transfer_rules(model, user)
-    patch._transfer = transfer
     ties = shared_tensors(model)
     fired: set[int] = set()
     for target in targets:
@@ -376,7 +366,7 @@ def patch_model(
         for target in targets:
             swap = swap_module(model, target, transfer, keep_original, patch._undo)
             patch._swaps.append(swap)
-            patch._recorded.update(swap.recorded)
+            patch._recorded.update(swap.move.recorded)
     except BaseException:
         patch.revert()
         raise

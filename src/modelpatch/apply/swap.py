@@ -27,7 +27,7 @@ from transformers.utils import logging
 
 from ..conversion.errors import ConversionError, ConversionShapeError
 from ..conversion.quantized import quantizer_label
-from ..conversion.transfer import TransferRules
+from ..conversion.transfer import ModuleMove, TransferRules
 from ..errors import ModelpatchError
 from ..patching.catalog import is_modeling_module_name
 from ..patching.interception import defining_init, unhooked_init
@@ -109,11 +109,9 @@ class Swap:
     replacement: nn.Module | None
     row: InstancePatchRow
     sources: dict[str, torch.Tensor]  # full key -> the original's parameter / buffer object
-    layout: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # full key -> (shape, stride) before the patch
-    fired: set[int]  # ids of the transfer rules that fired (reversed on revert)
-    recorded: dict[str, tuple[int, ...]]  # shapes consumed by converters (exact splits on revert)
+    strides: dict[str, tuple[int, ...]]  # full key -> stride before the patch
+    move: ModuleMove  # the conversion both ways (its forward tensors released once the replacement holds them)
     pairs: list[tuple[weakref.ref[nn.Parameter], list[weakref.ref[nn.Parameter]]]] = field(default_factory=list)
-    extra: set[str] = field(default_factory=set)  # replacement-only tensors (init values): dropped on revert
     reversible: bool = True
 
 
@@ -490,7 +488,7 @@ def validate_on_meta(
     sources = {prefix + k: t for k, t in original.state_dict(keep_vars=True).items()}
     stand_ins = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in sources.items()}
     expected = {prefix + k: tuple(t.shape) for k, t in built.state_dict(keep_vars=True).items()}
-    moved = transfer.to_replacement(stand_ins, expected)
+    moved = transfer.move(stand_ins, expected, model)
     for key, tensor in moved.tensors.items():
         if key not in expected:
             raise ConversionError(
@@ -512,7 +510,7 @@ def validate_on_meta(
                     f"cannot patch '{path}': '{names[0]}' is tied to {outside} outside the module, and the rules change "
                     f"its layout (into '{out_key}'); the tie could not be kept. The model was not modified."
                 )
-    missing = sorted(set(expected) - set(moved.tensors))
+    missing = sorted(moved.extra)
     if missing:
         message = (
             f"modelpatch: patch_model of '{path}': {len(missing)} tensor(s) of {replacement_cls.__qualname__} are not "
@@ -523,7 +521,7 @@ def validate_on_meta(
             raise ConversionError(message + " (strict). The model was not modified.")
         logger.warning(message)
     target.missing = set(missing)
-    target.reversible = _round_trips(model, transfer, moved, expected, stand_ins, target.missing)
+    target.reversible = moved.round_trips()
     if not target.reversible:
         message = (
             f"patch_model of '{path}': the inverse conversion rules do not give {type(original).__name__}'s tensors "
@@ -539,22 +537,6 @@ def validate_on_meta(
     others = [k for k, _ in built.named_buffers() if k not in state_keys]  # non-persistent buffers: __init__ values
     target.real_build = bool(missing or others or _meta_attributes(built))
     return moved.fired
-
-
-def _round_trips(
-    model: nn.Module, transfer: TransferRules, moved: Any, expected: dict, stand_ins: dict, missing: set[str]
-) -> bool:
-    """Whether the inverse rules take the replacement's tensors (meta stand-ins) back to exactly the original keys and
-    shapes (replacement-only tensors, ``missing``, are dropped on revert)."""
-    current = dict(moved.tensors)
-    current.update({k: torch.empty(expected[k], device="meta") for k in missing})
-    shapes = {k: tuple(t.shape) for k, t in stand_ins.items()}
-    try:
-        back = transfer.to_model(current, moved.fired, moved.recorded, shapes, model)
-    except Exception:  # noqa: BLE001 - any failure means: not reversible
-        return False
-    tensors = {k: v for k, v in back.tensors.items() if k not in missing}
-    return tensors.keys() == shapes.keys() and all(tuple(tensors[k].shape) == shapes[k] for k in shapes)
 
 
 def _meta_attributes(module: nn.Module) -> bool:
@@ -587,7 +569,7 @@ def swap_module(
     assert replacement is not None
     expected = {prefix + k: tuple(t.shape) for k, t in replacement.state_dict(keep_vars=True).items()}
     with torch.no_grad():
-        moved = transfer.to_replacement(sources, expected)
+        moved = transfer.move(sources, expected, model)
     if target.real_build:
         args, kwargs = target.arguments
         replacement = _build(target.rule.replacement, original, args, kwargs, _device_of(original))
@@ -629,10 +611,8 @@ def swap_module(
         replacement=replacement,
         row=row,
         sources=sources,
-        layout={k: (tuple(t.shape), tuple(t.stride())) for k, t in sources.items()},
-        fired=moved.fired,
-        recorded=moved.recorded,
-        extra=target.missing,
+        strides={k: tuple(t.stride()) for k, t in sources.items()},
+        move=moved,
         reversible=target.reversible,
         pairs=[
             (weakref.ref(sources[k]), [weakref.ref(p) for p in ps])
@@ -650,6 +630,7 @@ def swap_module(
         set_kernel_decision(replacement, decision)
     undo.setattr(parent, name, replacement)
     target.replacement = None
+    moved.release()
     if not keep_all:
         freed: set[int] = set()
         for tensor in sources.values():

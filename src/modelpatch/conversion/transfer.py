@@ -14,6 +14,10 @@ B. **patch stage**: the user rules resolved for the model, the built-in converte
    Forward: checkpoint layout -> replacement layout, recording the shapes each converter consumed; reversed (with
    those shapes, so a grouped-query ``qkv_proj`` splits back 64/32/32): replacement -> checkpoint layout.
 
+:meth:`TransferRules.move` is the one value a caller holds per module: the forward result, the check that the inverse
+gives the original keys and shapes back (:meth:`ModuleMove.round_trips`), and the inverse itself
+(:meth:`ModuleMove.inverse`), so :func:`~modelpatch.patch_model` and its revert call this module once per direction.
+
 Every call works on the keys of one module only (full model keys, so scoped rules match), so memory stays at one
 module at a time. Each output comes with the input keys it was computed from (``origins``): the key map of the
 patch report, and which sources' ``requires_grad`` a new parameter takes. A passed-through tensor comes out as the
@@ -29,13 +33,13 @@ import torch
 from transformers import core_model_loading as _tcml
 
 from .compose import ResolvedRules
-from .errors import ConversionError
+from .errors import ConversionError, ConversionShapeError
 from .manual import builtin_transforms
 from .plan import build_plan
 from .reference import ReferenceShapes
 from .rules import as_modelpatch_rule
 
-__all__ = ["Moved", "TransferRules", "transfer_rules"]
+__all__ = ["ModuleMove", "Moved", "TransferRules", "transfer_rules"]
 
 
 class _Source:
@@ -121,6 +125,28 @@ class TransferRules:
     user: ResolvedRules
     references: ReferenceShapes
 
+    # -- one module, both directions ----------------------------------------------------------------------------
+    def move(self, tensors: dict[str, torch.Tensor], target_shapes: dict, model) -> ModuleMove:
+        """Move one module's ``{full model key: tensor}`` into the replacement layout (:meth:`to_replacement`) and
+        keep what the way back needs. ``target_shapes``: ``{full key: shape}`` of the replacement; ``model``: the model
+        the module belongs to (reference shapes of its built-in conversions).
+
+        Raises:
+            ConversionError: as :meth:`to_replacement`.
+        """
+        moved = self.to_replacement(tensors, target_shapes)
+        return ModuleMove(
+            tensors=moved.tensors,
+            origins=moved.origins,
+            fired=moved.fired,
+            recorded=moved.recorded,
+            source_shapes={k: tuple(t.shape) for k, t in tensors.items()},
+            extra=set(target_shapes) - set(moved.tensors),
+            target_shapes=dict(target_shapes),
+            rules=self,
+            model=model,
+        )
+
     # -- patch: model layout -> replacement layout -------------------------------------------------------------
     def to_replacement(self, tensors: dict[str, torch.Tensor], target_shapes: dict) -> Moved:
         """Move ``{full model key: tensor}`` of one module from the model layout to the replacement layout.
@@ -194,6 +220,69 @@ class TransferRules:
 
     def user_rule_ids(self) -> set[int]:
         return {id(r) for r in self.user.rules}
+
+
+@dataclass
+class ModuleMove:
+    """One module carried from the model layout to a replacement's layout, with everything its inverse needs.
+
+    Made by :meth:`TransferRules.move`. ``tensors`` and ``origins`` are the forward result (see :class:`Moved`; the
+    caller takes the tensors and may :meth:`release` them); :meth:`inverse` takes the replacement's tensors back to
+    the original keys, shapes and layout; :meth:`round_trips` tells, on ``meta`` stand-ins, whether it can.
+
+    Attributes:
+        fired: ids of the rules that matched (only they are reversed).
+        recorded: ``{input key: shape}`` the converters consumed (exact splits on the way back: a grouped-query
+            ``qkv_proj`` splits 64/32/32, not in equal thirds).
+        source_shapes: ``{full original key: shape}``.
+        extra: replacement keys no rule provides (``__init__`` values): the inverse drops them.
+        target_shapes: ``{full replacement key: shape}``.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    origins: dict[str, tuple[str, ...]]
+    fired: set[int]
+    recorded: dict[str, tuple[int, ...]]
+    source_shapes: dict[str, tuple[int, ...]]
+    extra: set[str]
+    target_shapes: dict[str, tuple[int, ...]]
+    rules: TransferRules = field(repr=False)
+    model: object = field(repr=False)
+
+    def inverse(self, tensors: dict[str, torch.Tensor], context: str) -> dict[str, torch.Tensor]:
+        """``{full original key: tensor}`` from the replacement's ``{full key: tensor}``: the inverse of the move.
+
+        Tensors the rules pass through come back as the same objects. ``context`` starts the error messages.
+
+        Raises:
+            ConversionError: the inverse rules do not give exactly the original keys, or an operation fails.
+            ConversionShapeError: a key comes back with another shape than the original's.
+        """
+        back = self.rules.to_model(tensors, self.fired, self.recorded, self.source_shapes, self.model)
+        out = {k: v for k, v in back.tensors.items() if k not in self.extra}
+        if out.keys() != self.source_shapes.keys():
+            raise ConversionError(
+                f"{context}: the inverse rules gave {sorted(out)}, expected the original keys {sorted(self.source_shapes)}"
+            )
+        for key, value in out.items():
+            if tuple(value.shape) != self.source_shapes[key]:
+                raise ConversionShapeError(key, value.shape, self.source_shapes[key], context)
+        return out
+
+    def round_trips(self) -> bool:
+        """Whether :meth:`inverse` takes ``meta`` tensors of the replacement's shapes back to exactly the original
+        keys and shapes (checked before anything is changed)."""
+        stand_ins = {k: torch.empty(shape, device="meta") for k, shape in self.target_shapes.items()}
+        stand_ins.update({k: t for k, t in self.tensors.items() if t.device.type == "meta"})
+        try:
+            self.inverse(stand_ins, "round trip")
+        except Exception:  # noqa: BLE001 - any failure means: not reversible
+            return False
+        return True
+
+    def release(self) -> None:
+        """Drop the forward tensors (the replacement holds them now); the inverse keeps working."""
+        self.tensors = {}
 
 
 def _renames(renaming, key: str) -> bool:
