@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextvars
+import threading
+
 import pytest
 import torch
 import torch.nn as nn
 
-from modelpatch.undo import ABSENT, UndoStack
+from modelpatch.undo import ABSENT, UndoStack, context_set
 
 
 def test_undo_restores_in_reverse_order_and_deletes_what_was_absent():
@@ -273,3 +276,36 @@ def test_raw_delattr_of_a_missing_name_is_a_clear_attribute_error():
     with pytest.raises(AttributeError, match="'nope'"):
         undo.delattr(_WithProperty, "nope", raw=True)
     assert len(undo) == 0
+
+
+_LEVEL: contextvars.ContextVar[int] = contextvars.ContextVar("_LEVEL", default=0)
+
+
+def test_context_set_resets_on_any_exit_and_nests():
+    with context_set(_LEVEL, 1) as value:
+        assert value == 1 and _LEVEL.get() == 1
+        with pytest.raises(KeyError), context_set(_LEVEL, 2):
+            assert _LEVEL.get() == 2
+            raise KeyError("inner")
+        assert _LEVEL.get() == 1
+    assert _LEVEL.get() == 0
+
+
+def test_context_set_is_per_thread():
+    seen = []
+    with context_set(_LEVEL, 5):
+        thread = threading.Thread(target=lambda: seen.append(_LEVEL.get()))
+        thread.start()
+        thread.join()
+    assert seen == [0]
+
+
+def test_set_context_is_reset_in_its_place_among_the_other_entries():
+    log = []
+    with UndoStack() as undo:
+        undo.callback(lambda: log.append(("first pushed", _LEVEL.get())))
+        undo.set_context(_LEVEL, 3)
+        undo.callback(lambda: log.append(("last pushed", _LEVEL.get())))
+        assert _LEVEL.get() == 3
+    assert log == [("last pushed", 3), ("first pushed", 0)]
+    assert _LEVEL.get() == 0

@@ -8,7 +8,9 @@ or written raw into its ``__dict__`` (``raw=True``: class dictionaries, instance
 not go through ``nn.Module.__setattr__``), and dict items can be changed the same way. Two more kinds of
 entry fold in what would otherwise be a hand-written save/restore pair: :meth:`UndoStack.callback` (any
 clean-up call, as ``contextlib.ExitStack.callback``) and :meth:`UndoStack.wrap` (a wrapper installed on
-another library's function, taken off only while it is still the one installed).
+another library's function, taken off only while it is still the one installed). :func:`context_set` (and
+:meth:`UndoStack.set_context`) is the same for a ``contextvars.ContextVar``: set for a block in this thread / asyncio
+task, reset on any exit.
 
 modelpatch uses it wherever it changes an object for a while and must put it back exactly: the
 ``__init__`` hooks of class interception, router instances during routing record/replay, and the
@@ -17,13 +19,15 @@ modelpatch uses it wherever it changes an object for a while and must put it bac
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from .errors import ModelpatchTypeError
 
-__all__ = ["ABSENT", "UndoStack"]
+__all__ = ["ABSENT", "UndoStack", "context_set"]
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -163,6 +167,11 @@ class UndoStack:
             self._changes.append(("call", fn, args, kwargs))
         return fn
 
+    def set_context(self, var: ContextVar[_V], value: _V) -> None:
+        """Set the context variable ``var`` to ``value`` now (this thread / asyncio task) and reset it to what it held
+        before at undo, in its place among the other entries (``var.set`` then ``var.reset(token)``)."""
+        self.callback(var.reset, var.set(value))
+
     def enter_context(self, manager: Any) -> Any:
         """Enter the context manager ``manager`` now and exit it at undo, in its place among the other entries (as
         ``contextlib.ExitStack.enter_context``, except that its ``__exit__`` is always called with ``None`` s: the
@@ -242,6 +251,18 @@ class UndoStack:
 
     def __exit__(self, *exc_info: object) -> None:
         self.undo()
+
+
+@contextlib.contextmanager
+def context_set(var: ContextVar[_V], value: _V) -> Iterator[_V]:
+    """``with context_set(var, value):`` the context variable ``var`` holds ``value`` inside the block, in this thread
+    / asyncio task only; on any exit it is reset to what it held before (``ContextVar.reset`` with the token of the
+    ``set``). Yields ``value``."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
 
 
 def _own_value(target: object, name: str) -> object:

@@ -90,7 +90,7 @@ from ..patching.provenance import BuildRecord, build_record, set_build_record
 from ..patching.registry import is_strict_patching, registered_patch_mapping
 from ..patching.scopes import PatchScope, active_scopes, refresh_catalog
 from ..patching.upstream import fusion_conflicts_checked, in_fusion_discovery
-from ..undo import UndoStack
+from ..undo import UndoStack, context_set
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -123,9 +123,11 @@ def _build_wrapper(name: str, original):
 
     @functools.wraps(original)
     def build(cls, *args, **kwargs):
-        token = _LOADING.set(name == "from_pretrained")
-        tp_token = _TP_PLAN.set(requested_tensor_parallelism(kwargs) if name == "from_pretrained" else None)
-        try:
+        loading = name == "from_pretrained"
+        with (
+            context_set(_LOADING, loading),
+            context_set(_TP_PLAN, requested_tensor_parallelism(kwargs) if loading else None),
+        ):
             with fusion_conflicts_checked(), _RegistryBuild(f"{cls.__name__}.{label}"):
                 model = original(cls, *args, **kwargs)  # recorders and conversion rules: see post_init
             if isinstance(model, nn.Module):  # output_loading_info=True returns a tuple
@@ -137,9 +139,6 @@ def _build_wrapper(name: str, original):
                 if name == "from_pretrained":
                     restore_nonpersistent_buffers(model[0])
             return model
-        finally:
-            _TP_PLAN.reset(tp_token)
-            _LOADING.reset(token)
 
     return classmethod(build)
 

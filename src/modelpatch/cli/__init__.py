@@ -45,6 +45,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import contextmanager
 
+from ..undo import UndoStack
 from . import convert, explain, routing_check, verify
 from .checkpoint import trusting_remote_code
 from .errors import EXIT_USAGE, CliError
@@ -100,20 +101,16 @@ def _quiet_transformers():
 
     from transformers.utils import logging
 
-    verbosity = logging.get_verbosity()
-    bars = logging.is_progress_bar_enabled()
     ours = std_logging.getLogger("modelpatch")
-    our_level = ours.level
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    ours.setLevel(std_logging.ERROR)
-    try:
+    with UndoStack() as undo:
+        undo.callback(logging.set_verbosity, logging.get_verbosity())
+        if logging.is_progress_bar_enabled():
+            undo.callback(logging.enable_progress_bar)
+        undo.callback(ours.setLevel, ours.level)
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+        ours.setLevel(std_logging.ERROR)
         yield
-    finally:
-        ours.setLevel(our_level)
-        logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
 
 
 def _run(args: argparse.Namespace) -> int:

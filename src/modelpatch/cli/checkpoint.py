@@ -19,6 +19,7 @@ from contextvars import ContextVar
 
 import torch
 
+from ..undo import context_set
 from .errors import CliError
 
 __all__ = [
@@ -146,11 +147,8 @@ def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def trusting_remote_code(enabled: bool) -> Iterator[None]:
     """While the block runs (this context only), the command's loads pass ``trust_remote_code=enabled``."""
-    token = _TRUST_REMOTE_CODE.set(enabled)
-    try:
+    with context_set(_TRUST_REMOTE_CODE, enabled):
         yield
-    finally:
-        _TRUST_REMOTE_CODE.reset(token)
 
 
 def remote_code_kwargs() -> dict:

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..undo import UndoStack
+
 __all__ = ["PATH_CHECKS", "DEFAULT_NEW_TOKENS", "PathCheck", "run_path_checks"]
 
 PATH_CHECKS = ("padding", "cache", "generate", "routing")
@@ -227,7 +229,6 @@ def _read_routes(model, sites, ids, mask) -> dict[int, torch.Tensor] | str:
     tokens = ids.numel()
     routes: dict[int, torch.Tensor] = {}
     problems: dict[int, str] = {}
-    handles = []
 
     def hook_for(site):
         def hook(module, args, out):
@@ -244,17 +245,14 @@ def _read_routes(model, sites, ids, mask) -> dict[int, torch.Tensor] | str:
 
         return hook
 
-    try:
+    with UndoStack() as undo:
         for site in sites:
             try:
                 module = submodule(model, site.name)
             except AttributeError:
                 return f"no module {site.name} (the unpatched model's router of layer {site.layer_idx})"
-            handles.append(module.register_forward_hook(hook_for(site)))
+            undo.callback(module.register_forward_hook(hook_for(site)).remove)
         model(input_ids=ids, attention_mask=mask)
-    finally:
-        for handle in handles:
-            handle.remove()
     if problems:
         return problems[min(problems)]
     missing = [s.name for s in sites if s.layer_idx not in routes]

@@ -10,6 +10,8 @@ from contextlib import contextmanager, redirect_stdout
 from contextvars import ContextVar
 from typing import TextIO
 
+from ..undo import UndoStack
+
 __all__ = ["table", "section", "plain", "emit", "report_to_stdout_only"]
 
 # The stream a running command's report goes to: the stdout it was started with (see report_to_stdout_only).
@@ -30,16 +32,12 @@ def report_to_stdout_only() -> Iterator[None]:
     command runs in-process, as its logging levels are (:func:`modelpatch.cli._quiet_transformers`). Logging
     handlers that already write to stdout (DeepSpeed's binds ``sys.stdout`` when it is imported, which may be before
     the command) write to stderr until the command returns."""
-    from ..undo import UndoStack
-
-    token = _REPORT.set(sys.stdout)
-    try:
-        with UndoStack() as undo, redirect_stdout(sys.stderr):
-            for handler in _handlers_writing_to(_REPORT.get()):
-                undo.setattr(handler, "stream", sys.stderr)
-            yield
-    finally:
-        _REPORT.reset(token)
+    with UndoStack() as undo:
+        undo.set_context(_REPORT, sys.stdout)
+        for handler in _handlers_writing_to(sys.stdout):
+            undo.setattr(handler, "stream", sys.stderr)
+        undo.enter_context(redirect_stdout(sys.stderr))
+        yield
 
 
 def _handlers_writing_to(stream: object) -> list[logging.StreamHandler]:

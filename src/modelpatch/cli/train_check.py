@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from ..conversion import iter_original_state_dict
+from ..undo import UndoStack
 from .errors import CliError
 
 __all__ = [
@@ -620,12 +621,11 @@ def run_train_check(
     same = _same_layout(reference, patched)
     # a per-tensor optimizer is judged after its first step on the keys stored alike, when some key is not
     first_keys = same if spec.per_tensor and not set(start) <= same else None
-    probe = _ExpertsProbe(reference)
-    result.experts_modules = len(probe.modules)
-    try:
+    with UndoStack() as undo:
+        probe = _ExpertsProbe(reference)
+        undo.callback(probe.remove)
+        result.experts_modules = len(probe.modules)
         runs = _pair(reference, patched, spec, lr, batches, kind, seed, first_keys, probe, result.idle)
-    finally:
-        probe.remove()
     result.losses = {label: run.losses for label, run in runs.items()}
     result.seconds = {label: run.seconds for label, run in runs.items()}
     result.missing_grads = _missing_grads(runs["unpatched"], runs["patched"], set(_params(reference)))

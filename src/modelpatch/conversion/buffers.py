@@ -22,6 +22,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..patching.interception import unhooked_init
 from ..patching.provenance import Replacement, provenance
+from ..undo import context_set
 from .errors import ConversionError
 
 __all__ = ["restore_nonpersistent_buffers", "BufferRestoreError"]
@@ -44,11 +45,10 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Par
 def _parameters_on_meta() -> Iterator[None]:
     """Parameters registered in this context (this thread / task only) are moved to ``meta``; buffers stay real."""
     handle = register_module_parameter_registration_hook(_to_meta)  # type: ignore[arg-type]  # may return one
-    token = _PARAMS_ON_META.set(True)
     try:
-        yield
+        with context_set(_PARAMS_ON_META, True):
+            yield
     finally:
-        _PARAMS_ON_META.reset(token)
         handle.remove()
 
 

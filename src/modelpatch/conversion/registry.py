@@ -26,6 +26,7 @@ from transformers.utils import logging
 from ..errors import ModelpatchKeyError, ModelpatchRuntimeError, ModelpatchTypeError, ModelpatchValueError
 from ..patching.catalog import CATALOG
 from ..patching.registry import is_strict_patching, on_clear
+from ..undo import context_set
 from .overlap import drop_replaced_builtins
 from .rules import WeightConverter, WeightRenaming, as_modelpatch_rule
 
@@ -84,11 +85,8 @@ def isolated_conversion_registry() -> Iterator[None]:
     registrations made inside are its own and are gone after the block. Other threads and tasks keep reading and
     writing the process-wide registry meanwhile, unchanged. Scoped :func:`apply_conversion_rules` blocks are not
     affected. What the CLI's in-process sandbox (:class:`modelpatch.cli.sandbox.CommandSandbox`) enters."""
-    token = _isolated.set(({}, set()))
-    try:
+    with context_set(_isolated, ({}, set())):
         yield
-    finally:
-        _isolated.reset(token)
 
 
 @functools.cache
@@ -333,11 +331,8 @@ def rulesets_in_force(scope: Mapping[str, RuleSet]) -> Iterator[None]:
         ModelpatchRuntimeError: the conversion hooks are uninstalled (see :func:`require_hooks`).
     """
     require_hooks()
-    token = _scoped.set(_scoped.get() + (scope,))
-    try:
+    with context_set(_scoped, _scoped.get() + (scope,)):
         yield
-    finally:
-        _scoped.reset(token)
 
 
 def scoped_rulesets(

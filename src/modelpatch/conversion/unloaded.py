@@ -28,6 +28,7 @@ from ..patching.interception import unhooked_init
 from ..patching.provenance import Replacement, provenance
 from ..patching.registry import is_strict_patching
 from ..patching.scopes import active_scopes
+from ..undo import context_set
 from .errors import ConversionError
 
 logger = logging.get_logger("modelpatch")
@@ -49,11 +50,8 @@ def allow_init_values() -> Iterator[None]:
         with modelpatch.allow_init_values(), apply_patches({"LlamaAttention": MyAttention}):
             model = AutoModelForCausalLM.from_pretrained(path)
     """
-    token = _ALLOW_INIT_VALUES.set(True)
-    try:
+    with context_set(_ALLOW_INIT_VALUES, True):
         yield
-    finally:
-        _ALLOW_INIT_VALUES.reset(token)
 
 
 def _replaced_module_paths(model) -> dict[str, Replacement]:

@@ -80,22 +80,26 @@ def unread_keys(model, keys, transforms: list, model_state: dict) -> set[str]:
     renamings = [t for t in transforms if isinstance(t, _tcml.WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, _tcml.WeightConverter)]
     prefix = model.base_model_prefix
-    # renaming records on the transforms what it saw (`_was_used`, read on save; a group renaming's `_active`):
-    # this look-ahead must leave them as the loader will find them
-    saved = [(t, {a: getattr(t, a) for a in ("_was_used", "_active") if hasattr(t, a)}) for t in transforms]
     unread = set()
-    try:
+    with _usage_marks_kept(transforms):  # a look-ahead: the loader must find the transforms as they were
         for key in keys:
             renamed, _ = _tcml.rename_source_key(
                 key, renamings, converters, base_model_prefix=prefix, meta_state_dict=model_state
             )
             if model_key(renamed, model_state, prefix) is None:
                 unread.add(key)
-    finally:
-        for transform, attributes in saved:
-            for name, value in attributes.items():
-                setattr(transform, name, value)
     return unread
+
+
+def _usage_marks_kept(transforms: list) -> UndoStack:
+    """An undo stack (enter it) that puts back what renaming records on the transforms (``_was_used``, read on save;
+    a group renaming's ``_active``) when the block ends."""
+    undo = UndoStack()
+    for transform in transforms:
+        for name in ("_was_used", "_active"):
+            if hasattr(transform, name):
+                undo.setattr(transform, name, getattr(transform, name))
+    return undo
 
 
 def convert_checkpoint(model, state_dict: dict, load_config, resolved: ResolvedRules):
@@ -269,7 +273,6 @@ def load_leaf_modules(model, state_dict: dict, transforms: list) -> tuple[dict, 
         return state_dict, set()
 
     transforms = [t for t in transforms if isinstance(t, (_tcml.WeightRenaming, _tcml.WeightConverter))]
-    saved = [(t, {a: getattr(t, a) for a in ("_was_used", "_active") if hasattr(t, a)}) for t in transforms]
 
     def loadable(key: str, param) -> bool:
         value = state_dict.get(key)
@@ -282,7 +285,7 @@ def load_leaf_modules(model, state_dict: dict, transforms: list) -> tuple[dict, 
         )
 
     loaded: set[str] = set()
-    try:
+    with _usage_marks_kept(transforms):  # rename_source_key marks the transforms it matches
         for prefix, leaf in leaves:
             if not prefix or any(prefix.startswith(f"{other}.") for other, _ in leaves if other):
                 continue  # the whole model, or inside another leaf
@@ -295,10 +298,6 @@ def load_leaf_modules(model, state_dict: dict, transforms: list) -> tuple[dict, 
                 continue  # the loader's values are global rank 0's; a sub-group is left to the loader
             _broadcast_into_partitions(dist, ZeroParamStatus, params, state_dict)
             loaded.update(params)
-    finally:
-        for transform, attributes in saved:
-            for attribute, value in attributes.items():
-                setattr(transform, attribute, value)
     if not loaded:
         return state_dict, set()
     rest = _WithMetadata({k: v for k, v in state_dict.items() if k not in loaded})

@@ -58,6 +58,7 @@ from ..conversion.errors import StateDictLayoutError
 from ..conversion.loaders import CheckpointConversion, analyse_checkpoint, loads_in_parts
 from ..conversion.state import get_state
 from ..lazy_imports import PostImportHook
+from ..undo import context_set
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -213,11 +214,8 @@ def _make_load_checkpoint_in_model(original: Callable) -> Callable:
                 "then placed into the fused parameter) and dispatch the model afterwards. Nothing was loaded.",
                 keys=conversion.partial,
             )
-        token = _CONVERSION.set(conversion)
-        try:
+        with context_set(_CONVERSION, conversion):
             return original(model, checkpoint, *args, **kwargs)
-        finally:
-            _CONVERSION.reset(token)
 
     return load_checkpoint_in_model
 
@@ -267,7 +265,12 @@ _TARGETS = (
 
 
 def _wrap(target: _Target, home: ModuleType) -> None:
-    """Wrap ``target`` in its (imported) module and in the re-exporting modules imported so far (idempotent)."""
+    """Wrap ``target`` in its (imported) module and in the re-exporting modules imported so far (idempotent).
+
+    Not an :class:`~modelpatch.undo.UndoStack`: the wrappers are installed once per process, part of them later by an
+    import hook, and the record of the originals must outlive :func:`uninstall` where another library has wrapped
+    ours since (an undo would forget it, and the next :func:`install` would wrap that library's wrapper around ours:
+    two conversions per load)."""
     with _lock:
         current = getattr(home, target.name)
         wrapper = _wrappers.get(target.key)

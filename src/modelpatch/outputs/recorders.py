@@ -151,7 +151,7 @@ class _RelayStart:
         names = [name for name in user_recorders(module) if _requested(module, name, kwargs)]
         if names:
             frames += (_Frame(module, names),)
-        if frames != _FRAMES.get():
+        if frames != _FRAMES.get():  # closed by _RelayFinish (a forward hook, no token to reset): see there
             _FRAMES.set(frames)
 
 

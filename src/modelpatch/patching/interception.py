@@ -31,7 +31,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from ..errors import ModelpatchTypeError
-from ..undo import UndoStack
+from ..undo import UndoStack, context_set
 from .upstream import is_upstream_fused, record_fusion_conflict
 
 __all__ = ["install_hook", "uninstall_hook", "hooked_classes", "unhooked_init", "defining_init"]
@@ -61,9 +61,9 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                         f"modelpatch cannot build {replacement.__qualname__} in place of {target.__qualname__}: "
                         f"{exc} (a replacement must be a plain nn.Module subclass without __slots__)"
                     ) from None
-                token = _BUILDING.set(_BUILDING.get() | {target})
                 try:
-                    unhooked_init(replacement)(self, *args, **kwargs)
+                    with context_set(_BUILDING, _BUILDING.get() | {target}):
+                        unhooked_init(replacement)(self, *args, **kwargs)
                 except BaseException as exc:
                     if hasattr(exc, "add_note"):
                         exc.add_note(
@@ -72,8 +72,6 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                             f"({len(args)} positional, keywords {sorted(kwargs)})"
                         )
                     raise
-                finally:
-                    _BUILDING.reset(token)
                 on_built(self, args, kwargs)
                 return
         elif type(self) is not target and target not in _BUILDING.get() and is_upstream_fused(type(self)):

@@ -31,6 +31,7 @@ from transformers import __version__ as transformers_version
 from transformers.utils import logging
 
 from ..errors import ModelpatchError, ModelpatchTypeError, ModelpatchValueError
+from ..undo import context_set
 from .catalog import CATALOG, known_class_names
 
 logger = logging.get_logger("modelpatch")
@@ -240,11 +241,8 @@ def isolated_patch_registry() -> Iterator[None]:
 
     What the CLI's in-process sandbox (:class:`modelpatch.cli.sandbox.CommandSandbox`) enters around a command.
     """
-    token = _ISOLATED.set(_Registry())
-    try:
+    with context_set(_ISOLATED, _Registry()):
         yield
-    finally:
-        _ISOLATED.reset(token)
 
 
 def closest_class_names(key: str, n: int = 3) -> list[str]:

@@ -238,6 +238,7 @@ class PatchScope:
             self._exit_stack.close()
             self._release()
             raise
+        # not a token reset on exit: scopes opened with start() may stop in any order, so exit removes this one
         _ACTIVE.set(_ACTIVE.get() + (self,))
         return self
 

@@ -32,6 +32,7 @@ from types import FrameType
 import torch.nn as nn
 
 from ..errors import ModelpatchError
+from ..undo import context_set
 
 __all__ = [
     "FusionConflictError",
@@ -156,11 +157,8 @@ def fusion_conflicts_checked() -> Iterator[None]:
         yield
         return
     found: list[tuple[type, type, type]] = []
-    token = _CONFLICTS.set(found)
-    try:
+    with context_set(_CONFLICTS, found):
         yield
-    finally:
-        _CONFLICTS.reset(token)
     if found:
         original, replacement, fused = found[0]
         fusion = _fused_classes().get(fused, "?")

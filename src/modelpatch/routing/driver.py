@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ..errors import ModelpatchRuntimeError
-from ..undo import ABSENT, UndoStack
+from ..undo import UndoStack
 from .compiled import (
     HANDLERS,
     compiled_owner_info,
@@ -127,7 +126,6 @@ class SessionDriver:
         self.layout: ForwardLayout | None = None
         self._sig = signature_binder(self.owner)
         self._undo = UndoStack()  # every change to the model's modules, undone on exit
-        self._handles: list[RemovableHandle] = []
         self._last_seqs: list[int] = []
         # modules that may carry a checkpoint function around a router: every ancestor of every router
         hosts: dict[int, nn.Module] = {id(model): model}
@@ -137,7 +135,6 @@ class SessionDriver:
                 m = submodule(m, part)
                 hosts.setdefault(id(m), m)
         self._hosts = list(hosts.values())
-        self._bound_attrs: dict[tuple[int, str], tuple[nn.Module, str]] = {}
 
     # -- what subclasses decide ---------------------------------------------------------------------------------
     def _assign(self, layout: ForwardLayout) -> None:
@@ -230,18 +227,9 @@ class SessionDriver:
                     continue
                 if attr == "checkpoint_fn" and "_checkpoint_wrapped_module" not in host._modules:
                     continue
-                self._undo.setattr(host, attr, bind_checkpoint_fn(fn), raw=True)
-                self._bound_attrs.setdefault((id(host), attr), (host, attr))
-
-    def _checkpoint_fns_to_keep(self) -> list[tuple[nn.Module, str, object]]:
-        """The checkpoint functions as the user left them: where our wrapper is still in place, the function it
-        wraps; where the user replaced (or deleted) it inside the block, their value, which the undo must not
-        take back."""
-        keep = []
-        for host, attr in self._bound_attrs.values():
-            current = host.__dict__.get(attr, ABSENT)
-            keep.append((host, attr, current.__wrapped__ if is_bound(current) else current))
-        return keep
+                # undo puts ``fn`` back only where our wrapper is still in place: a checkpoint function the user
+                # replaced (or deleted) inside the block is theirs, and stays
+                self._undo.wrap(host, attr, bind_checkpoint_fn(fn), raw=True)
 
     # -- install / remove -------------------------------------------------------------------------------------
     def __enter__(self) -> Self:
@@ -277,9 +265,9 @@ class SessionDriver:
             self._undo.setattr(owner, _COMPILED, compiled_owner_info(owner, self._sig), raw=True)
             self._undo.setitem(HANDLERS, id(owner), self)
             self._bind_checkpoints()
-            self._handles.append(owner.register_forward_pre_hook(_owner_pre_hook, with_kwargs=True))
+            self._undo.callback(owner.register_forward_pre_hook(_owner_pre_hook, with_kwargs=True).remove)
             # not always_call: Dynamo guards on the handle ids of always-called hooks (a recompile per block)
-            self._handles.append(owner.register_forward_hook(_owner_post_hook, with_kwargs=True))
+            self._undo.callback(owner.register_forward_hook(_owner_post_hook, with_kwargs=True).remove)
         except BaseException:
             self.close()
             raise
@@ -290,22 +278,8 @@ class SessionDriver:
 
     def close(self) -> None:
         """Remove the hooks and undo every change to the model (idempotent)."""
-        try:
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
-        finally:
-            keep = self._checkpoint_fns_to_keep()
-            self._bound_attrs.clear()
-            self.layout = None
-            self._undo.undo()
-            for host, attr, value in keep:
-                if host.__dict__.get(attr, ABSENT) is value:
-                    continue
-                if value is ABSENT:
-                    del host.__dict__[attr]
-                else:
-                    host.__dict__[attr] = value
+        self.layout = None
+        self._undo.undo()
 
 
 def module_device(module: nn.Module) -> torch.device:
