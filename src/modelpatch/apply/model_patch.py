@@ -252,7 +252,7 @@ def _bind(model: nn.Module, record: _ModelRecord) -> None:
     """The model's conversion state: the one before the first active instance patch, plus the rules each active
     patch bound; exactly the one before once no instance patch is active (``save_pretrained`` reads it)."""
     base = record.base
-    rules = [rule for patch in record.patches for rule in patch._bound]
+    rules = [rule for patch in record.patches for rule in patch._bound]  # noqa: SLF001 - same module: a model's record of its patches
     if not rules:
         if base is ABSENT:
             vars(model).pop(STATE_ATTR, None)
@@ -262,8 +262,8 @@ def _bind(model: nn.Module, record: _ModelRecord) -> None:
     owner: dict[int, str | None] = {}
     recorded: dict[str, tuple[int, ...]] = {}
     for patch in record.patches:
-        owner.update(patch._owner)
-        recorded.update(patch._recorded)
+        owner.update(patch._owner)  # noqa: SLF001 - same module: a model's record of its patches
+        recorded.update(patch._recorded)  # noqa: SLF001 - same module: a model's record of its patches
     if base is not ABSENT and base is not None:
         state = ConversionState(
             list(base.rules) + rules,
@@ -364,13 +364,13 @@ def patch_model(
         logger.warning(message)
     try:
         for target in targets:
-            swap = swap_module(model, target, transfer, keep_original, patch._undo)
-            patch._swaps.append(swap)
-            patch._recorded.update(swap.move.recorded)
+            swap = swap_module(model, target, transfer, keep_original, patch._undo)  # noqa: SLF001 - same module: patch_model fills the ModelPatch it returns
+            patch._swaps.append(swap)  # noqa: SLF001 - same module: patch_model fills the ModelPatch it returns
+            patch._recorded.update(swap.move.recorded)  # noqa: SLF001 - same module: patch_model fills the ModelPatch it returns
     except BaseException:
         patch.revert()
         raise
-    patch._bound = [r for r in user.rules if id(r) in fired]
-    patch._owner = {id(r): user.owner.get(id(r)) for r in patch._bound}
+    patch._bound = [r for r in user.rules if id(r) in fired]  # noqa: SLF001 - same module: patch_model fills the ModelPatch it returns
+    patch._owner = {id(r): user.owner.get(id(r)) for r in patch._bound}  # noqa: SLF001 - same module: patch_model fills the ModelPatch it returns
     _remember(model, patch)
     return patch

@@ -156,7 +156,7 @@ def _init_wrapper(original):
             keys = tuple(dict.fromkeys(k for scope in scopes for k in scope.mapping.keys))
             set_build_record(self, BuildRecord(keys=keys, scopes=scopes))
             for scope in scopes:
-                scope._built_model(self)
+                scope.record_built_model(self)
 
     return __init__
 

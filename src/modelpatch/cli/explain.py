@@ -147,14 +147,14 @@ def _upstream_fusions(model, fusion_config, conflicts: list[str]) -> list[dict[s
     try:
         import transformers.fusion_mapping as fm
 
-        names = fm._iter_enabled_fusions(fusion_config)
+        names = fm._iter_enabled_fusions(fusion_config)  # noqa: SLF001 - Transformers' fusion_config has no public list of the fusions it enables
     except ImportError:
         raise CliError("this Transformers release has no fusion_config") from None
     except ValueError as exc:
-        raise CliError(f"{exc} (Transformers has {sorted(fm._FUSION_REGISTRY)})") from None
+        raise CliError(f"{exc} (Transformers has {sorted(fm._FUSION_REGISTRY)})") from None  # noqa: SLF001 - Transformers' fusion registry: no public accessor
     out: list[dict[str, str]] = []
     for name in names:
-        spec = fm._FUSION_REGISTRY[name]
+        spec = fm._FUSION_REGISTRY[name]  # noqa: SLF001 - Transformers' fusion registry: no public accessor
         pattern = re.compile("|".join(spec.target_modules_patterns)) if spec.target_modules_patterns else None
         modules = [(path, m, provenance(m)) for path, m in model.named_modules()]
         fusable = {

@@ -133,7 +133,7 @@ class TransformersRegistries:
             return TransformersRegistries({}, self.conversion_table, frozenset())
         from transformers import conversion_mapping
 
-        builtins = conversion_mapping._build_checkpoint_conversion_mapping()
+        builtins = conversion_mapping._build_checkpoint_conversion_mapping()  # noqa: SLF001 - Transformers' built-in conversion table, rebuilt as from_pretrained builds it
         table = {name: entry for name, entry in self.conversion_table.items() if name not in self.user_names}
         table.update({name: builtins[name] for name in self.user_names if name in builtins})
         return TransformersRegistries({}, table, frozenset())

@@ -46,7 +46,7 @@ def original_patterns(rule) -> tuple[list[str], list[str]]:
 
     Transformers keeps them in the private ``_original_source_patterns`` / ``_original_target_patterns``; this is the
     one place modelpatch reads them, so a rename upstream is one change here."""
-    return list(rule._original_source_patterns), list(rule._original_target_patterns)
+    return list(rule._original_source_patterns), list(rule._original_target_patterns)  # noqa: SLF001 - the one accessor of Transformers' pattern attributes (no public form)
 
 
 _NAME_START = re.compile(r"[A-Za-z0-9_]")

@@ -162,9 +162,7 @@ def iter_original_state_dict(model, state_dict: dict | None = None) -> OriginalL
         )
     if state_dict is None and needs_quantized_original_layout(model):
         converted = quantized_original_layout(model)[0]
-        result = OriginalLayoutIterator(0)
-        result._items = iter(list(converted.items()))
-        return result
+        return OriginalLayoutIterator(0).feed(iter(list(converted.items())))
     if state_dict is None:
         quantizer = getattr(model, "hf_quantizer", None)
         state_dict = quantizer.get_state_dict_and_metadata(model)[0] if quantizer is not None else None

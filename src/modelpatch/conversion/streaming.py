@@ -173,6 +173,12 @@ class OriginalLayoutIterator:
         self.sources: dict[str, tuple[tuple[str, ...], bool]] = {}
         self._items: Iterator[tuple[str, torch.Tensor]] = iter(())
 
+    def feed(self, items: Iterator[tuple[str, torch.Tensor]]) -> OriginalLayoutIterator:
+        """Hand out ``(name, tensor)`` pairs from ``items`` (a generator that fills the attributes as it goes).
+        Returns ``self``."""
+        self._items = items
+        return self
+
     def __iter__(self) -> OriginalLayoutIterator:
         return self
 
@@ -233,7 +239,7 @@ def iter_reverted(
     converters = sum(entry.converter is not None for entry in stage_a.entries)
     if state is None:
         result = OriginalLayoutIterator(converters)
-        result._items = _stream_a(stage_a, result)
+        result.feed(_stream_a(stage_a, result))
         return result
     names = stage_a.output_names() if stage_a.converts else [[e.name] for e in stage_a.entries]
     eager = None
@@ -247,7 +253,7 @@ def iter_reverted(
     plan = build_plan(((n, n) for group in names for n in group), rules, reverse=True)
     result = OriginalLayoutIterator(converters + len(plan.groups))
     result.converted = converters if eager is not None else 0
-    result._items = _stream_b(model, stage_a, eager, names, plan, owner, state, result)
+    result.feed(_stream_b(model, stage_a, eager, names, plan, owner, state, result))
     return result
 
 

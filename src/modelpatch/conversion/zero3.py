@@ -203,7 +203,7 @@ def batched_zero_init() -> Iterator[None]:
     deferred: list = []
 
     def zero_init_param(param) -> None:  # DeepSpeed's _zero_init_param, the broadcast and partition deferred
-        context._convert_to_deepspeed_param(param)
+        context._convert_to_deepspeed_param(param)  # noqa: SLF001 - zero.Init's own converter: a parameter made outside its context
         deferred.append(param)
 
     with UndoStack() as undo:
@@ -330,5 +330,5 @@ def _broadcast_into_partitions(dist, status, params: dict, state_dict: dict) -> 
     for (_, param), view in zip(members, views):
         param.data = view
         param.ds_status = status.AVAILABLE
-        param._is_hf_initialized = True  # as the loader marks what it fills: not initialised again
+        param._is_hf_initialized = True  # noqa: SLF001 - Transformers' loader flag: a filled parameter is not initialised again; as the loader marks what it fills: not initialised again
     members[0][1].partition(param_list=[p for _, p in members], has_been_updated=True)

@@ -242,7 +242,7 @@ def add_adapter(model: Any, adapter_config: Any, adapter_name: str | None = None
         raise ModelpatchValueError(f"{type(model).__name__} already has an adapter named {name!r}; pick another name")
     adapter_config.base_model_name_or_path = model.__dict__.get("name_or_path", None)
     inject_adapter_in_model(adapter_config, model, name)
-    model._hf_peft_config_loaded = True
+    model._hf_peft_config_loaded = True  # noqa: SLF001 - the flag Transformers' own load_adapter sets
     # Transformers' save_pretrained / get_adapter_state_dict of such a model refuse this PEFT with a traceback:
     # modelpatch's save_pretrained wrapper refuses first, naming the versions and the way out (adapter_save_refusal)
     model.__dict__["_modelpatch_adapters_via_peft"] = name

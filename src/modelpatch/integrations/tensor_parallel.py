@@ -161,7 +161,7 @@ def adapt_tensor_parallel_plan(model, request: dict | None) -> None:  # noqa: C9
             plan[f"{generic}.{key}" if key else generic] = style
             if style in _STYLES and _distributed():
                 _register(style)  # before Transformers validates the plan's styles
-    model._tp_plan = plan
+    model._tp_plan = plan  # noqa: SLF001 - the plan Transformers' tensor-parallel loader reads
     if request is None:
         return
     if refused and request["tp"]:

@@ -119,7 +119,7 @@ class _CaptureHook:
         self.index = index
 
     def __call__(self, module, args, output):
-        collected = _capturing._active_collector.get()
+        collected = _capturing._active_collector.get()  # noqa: SLF001 - Transformers' output-capturing collector: no public accessor
         frames = _FRAMES.get()
         if not frames and (collected is None or self.name not in collected):
             return

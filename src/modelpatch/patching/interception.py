@@ -82,7 +82,7 @@ def _make_hook(target: type, lookup: Lookup, original_init):
                 record_fusion_conflict(target, found[0], type(self))
         original_init(self, *args, **kwargs)
 
-    __init__._modelpatch_hook = True  # type: ignore[attr-defined]
+    __init__._modelpatch_hook = True  # type: ignore[attr-defined]  # noqa: SLF001 - our own mark on a function object
     return __init__
 
 

@@ -63,13 +63,13 @@ def _lookup(target: type) -> tuple[type, Callable[[object, tuple[Any, ...], dict
     if not scopes or in_fusion_discovery():  # Transformers' fusion discovery must see its own classes
         return None
     for scope in scopes:
-        scope._saw(target)
+        scope._saw(target)  # noqa: SLF001 - same module: the interception hook reports to its scopes
     for explicit in (True, False):
         for scope in reversed(scopes):
             if scope.explicit is explicit and not scope.closed:
                 rule = scope.resolved.get(target)
                 if rule is not None:
-                    return rule.replacement, scope._recorder(target, rule)
+                    return rule.replacement, scope._recorder(target, rule)  # noqa: SLF001 - same module: the interception hook reports to its scopes
     return None
 
 
@@ -87,7 +87,7 @@ def refresh_catalog(modules: tuple[str, ...] | None = None) -> None:
     with _LIVE_LOCK:
         new_classes = CATALOG.refresh()
         for scope in list(_LIVE):
-            scope._extend(resolve_classes(scope.mapping, new_classes))
+            scope._extend(resolve_classes(scope.mapping, new_classes))  # noqa: SLF001 - same module: the interception hook reports to its scopes
 
 
 CATALOG.on_stale = refresh_catalog
@@ -170,8 +170,9 @@ class PatchScope:
 
         return on_built
 
-    def _built_model(self, model: PreTrainedModel) -> None:
-        """A ``PreTrainedModel`` is being constructed inside this scope."""
+    def record_built_model(self, model: PreTrainedModel) -> None:
+        """A ``PreTrainedModel`` is being constructed inside this scope (called by modelpatch's wrapper of
+        ``PreTrainedModel.__init__``, :mod:`modelpatch.apply.transformers`; not for users)."""
         self.models.add(model)
         self.models_built += 1
 

@@ -115,7 +115,7 @@ def _register_effects() -> None:
     from torch._library.effects import EffectType
 
     for name in ("modelpatch::routing_layout", "modelpatch::routing_route", "modelpatch::routing_end"):
-        torch.library._register_effectful_op(name, EffectType.ORDERED)
+        torch.library._register_effectful_op(name, EffectType.ORDERED)  # noqa: SLF001 - torch.library's only way to order an opaque op under torch.compile
 
 
 _register_effects()

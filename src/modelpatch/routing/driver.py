@@ -75,14 +75,14 @@ def _driven_router_forward(router: nn.Module, *args: Any, **kwargs: Any) -> obje
     if torch.compiler.is_compiling() and info.topk_kind:
         return compiled_router_call(info, getattr(router, _ORIGINAL), args, kwargs)
     session, site = HANDLERS[id(router)]
-    return session._router_call(site, getattr(router, _ORIGINAL), args, kwargs)
+    return session._router_call(site, getattr(router, _ORIGINAL), args, kwargs)  # noqa: SLF001 - same module: the router forward installed by the driver
 
 
 def _owner_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if torch.compiler.is_compiling():
         compiled_owner_pre_forward(getattr(module, _COMPILED), args, kwargs)
         return None
-    HANDLERS[id(module)]._pre_forward(module, args, kwargs)
+    HANDLERS[id(module)]._pre_forward(module, args, kwargs)  # noqa: SLF001 - same module: the hooks installed by the driver
     return None
 
 
@@ -92,7 +92,7 @@ def _owner_post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         return None
     session = HANDLERS.get(id(module))
     if session is not None:
-        session._post_forward(module, args, kwargs, output)
+        session._post_forward(module, args, kwargs, output)  # noqa: SLF001 - same module: the hooks installed by the driver
     return None
 
 
@@ -104,7 +104,7 @@ CHECKPOINT_HINT = (
 
 def in_backward() -> bool:
     # Activation-checkpoint recomputation (reentrant or not) runs inside the autograd engine.
-    return torch._C._current_graph_task_id() != -1
+    return torch._C._current_graph_task_id() != -1  # noqa: SLF001 - autograd's only test for a running backward
 
 
 class SessionDriver:

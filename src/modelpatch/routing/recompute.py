@@ -166,7 +166,7 @@ def _checkpoint_codes() -> frozenset:
 _CKPT_CODES: frozenset | None = None
 
 
-_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # noqa: SLF001 - the saved-tensor hooks in force (no public getter)
 
 
 def unbound_checkpoint_on_stack() -> bool:
