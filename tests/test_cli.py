@@ -486,7 +486,7 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     cases = [
         ([src, str(tmp_path / "ck" / "config.json" / "out"), "--recipe", "llama-fused-qkv"], "cannot convert"),
         ([str(broken), str(tmp_path / "out2"), "--recipe", "llama-fused-qkv"], "SafetensorError"),
-        ([src, str(tmp_path / "out3"), "--recipe", "llama-fused-qkv", "--reverse"], "No conversion rule matched"),
+        ([src, str(tmp_path / "out3"), "--recipe", "llama-fused-qkv", "--reverse"], "matches a key of"),
     ]
     for argv, message in cases:
         assert main(["convert", *argv]) == 2
@@ -596,3 +596,84 @@ def test_verify_json_is_strict_json_when_the_outputs_are_nan(tmp_path, capsys):
     details = {c["name"]: c["detail"] for c in document["checks"]}
     assert "max abs diff of logits nan" in details["outputs"] and " nan (atol" in details["padding"]
     assert details["cache (dynamic)"].startswith("prefill: layer 1 keys differ by nan; first: row 0, token 0")
+
+
+def _convert_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("modelpatch: error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_convert_names_the_real_reason_when_nothing_is_converted(tmp_path, capsys):
+    """A second ``convert`` into the same folder said the source was "already in the converted layout" (it is in
+    the original layout) and pointed to a ``--reverse`` that fails; a recipe with nothing to convert for the
+    checkpoint got the same dead end. Each case now has its own one line, and nothing is written."""
+    src = save_case("qwen2_moe-fused-qkv", tmp_path / "ck")  # per-expert experts: the layout linear experts load
+    out = tmp_path / "out"
+    assert main(["convert", src, str(out), "--recipe", "qwen2_moe-full-example"]) == 0
+    written = sorted(os.listdir(out))
+    capsys.readouterr()
+    err = _convert_error(capsys, ["convert", src, str(out), "--recipe", "qwen2_moe-full-example"])
+    assert err == (
+        f"modelpatch: error: convert_checkpoint: destination '{out}' exists and is not empty (stale shards of an "
+        "earlier run would mix with the new ones); remove it or choose another"
+    )
+    assert sorted(os.listdir(out)) == written
+    fresh = tmp_path / "fresh"
+    err = _convert_error(capsys, ["convert", src, str(fresh), "--recipe", "qwen2_moe-linear-experts"])
+    assert err == (
+        f"modelpatch: error: no rule of qwen2_moe-linear-experts changes a key of '{src}': its keys already are the "
+        "layout the recipe loads, so there is nothing to convert (load it as it is, e.g. `modelpatch verify --model "
+        f"{src} --recipe qwen2_moe-linear-experts`); nothing was written"
+    )
+    err = _convert_error(capsys, ["convert", src, str(fresh), "--recipe", "qwen2_moe-linear-experts", "--reverse"])
+    assert err.startswith(
+        f"modelpatch: error: no rule of qwen2_moe-linear-experts matches a key of '{src}' in reverse: it is not in "
+        "the layout qwen2_moe-linear-experts converts to"
+    )
+    assert not fresh.exists()
+    # the converted folder itself: already converted, and the reverse it names works
+    err = _convert_error(capsys, ["convert", str(out), str(fresh), "--recipe", "qwen2_moe-full-example"])
+    assert f"'{out}' is already in the converted layout of qwen2_moe-full-example" in err and "--reverse" in err
+    assert main(["convert", str(out), str(fresh), "--recipe", "qwen2_moe-full-example", "--reverse"]) == 0
+    original, back = tensors(src), tensors(fresh)
+    assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original)
+
+
+EXTRA_PARAMETER = """
+import torch
+import torch.nn as nn
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
+
+class ScaledAttention(Qwen2MoeAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.out_scale = nn.Parameter(torch.ones(1))  # no checkpoint key: its initial value
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * self.out_scale, weights
+
+PATCH_MAPPING = {"Qwen2MoeAttention": ScaledAttention}
+"""
+
+
+def test_provenance_names_a_parameter_the_checkpoint_lacks_beside_built_in_conversions(tmp_path, capsys):
+    """qwen2_moe loads its experts through Transformers' built-in conversions; a replacement's extra parameter,
+    which from_pretrained reports missing, was counted with them ("ok, all 37 parameters from the checkpoint")."""
+    src = save_case("qwen2_moe-linear-experts", tmp_path / "ck")
+    patches = tmp_path / "extra_parameter.py"
+    patches.write_text(EXTRA_PARAMETER)
+    code = main(["verify", "--model", src, "--patches", str(patches), "--checks", "none", "--json", "--no-progress"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1
+    rows = {row["parameter"]: row for row in report["provenance"]}
+    for layer in (0, 1):
+        row = rows[f"model.layers.{layer}.self_attn.out_scale"]
+        assert row["status"] == "not in checkpoint" and row["checkpoint_keys"] == [], row
+    others = [r for name, r in rows.items() if not name.endswith("out_scale")]
+    assert others and all(r["status"] in ("checkpoint", "checkpoint (built-in conversion)", "tied") for r in others)
+    assert any(r["status"] == "checkpoint (built-in conversion)" for r in others)  # the case that hid it
+    check = next(c for c in report["checks"] if c["name"] == "provenance")
+    assert check["ok"] is False and f"{len(others)} of {len(rows)} parameters" in check["detail"], check

@@ -44,6 +44,36 @@ def _already_converted(src: str, recipe) -> tuple[str, str] | None:
         return None
 
 
+def _nothing_to_convert(args: argparse.Namespace, recipe, model_type: str, exc: Exception) -> str:
+    """The one-line error when no rule of ``recipe`` matches a key of the source: already converted (and the reverse
+    would apply), or a checkpoint the recipe loads as it is."""
+    from ..conversion.offline import rules_matching
+
+    source_args = f"--patches {args.patches}" if args.patches is not None else f"--recipe {recipe.name}"
+    converted = None if args.reverse else _already_converted(args.src, recipe)
+    if converted is not None:
+        with recipe.apply():
+            back = rules_matching(args.src, model_type, reverse=True)
+        if back:
+            key, sources = converted
+            return (
+                f"'{args.src}' is already in the converted layout of {recipe.name} (it has '{key}' and no key "
+                f"matching {sources}); nothing was written. To write it back to the original layout: "
+                f"`modelpatch convert {args.src} DST {source_args} --reverse`"
+            )
+    if args.reverse:
+        return (
+            f"no rule of {recipe.name} matches a key of '{args.src}' in reverse: it is not in the layout "
+            f"{recipe.name} converts to (a folder written by `modelpatch convert SRC DST {source_args}`); nothing "
+            "was written"
+        )
+    return (
+        f"no rule of {recipe.name} changes a key of '{args.src}': its keys already are the layout the recipe loads, "
+        f"so there is nothing to convert (load it as it is, e.g. `modelpatch verify --model {args.src} "
+        f"{source_args}`); nothing was written"
+    )
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "convert", help="write a converted checkpoint (or the reverse)", description=plain(__doc__.split("\n\n")[0])
@@ -63,7 +93,7 @@ def add_parser(subparsers) -> None:
 def main(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
 
-    from ..conversion import ConversionError, convert_checkpoint
+    from ..conversion import ConversionError, NothingToConvertError, convert_checkpoint
     from .plan import other_type_rules
 
     if not os.path.exists(args.src):
@@ -76,16 +106,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         with recipe.apply():
             rows = convert_checkpoint(args.src, args.dst, model_type, reverse=args.reverse)
+    except NothingToConvertError as exc:
+        raise CliError(_nothing_to_convert(args, recipe, model_type, exc)) from None
     except ConversionError as exc:
-        converted = None if args.reverse else _already_converted(args.src, recipe)
-        if converted is not None:
-            key, sources = converted
-            source_args = f"--patches {args.patches}" if args.patches is not None else f"--recipe {recipe.name}"
-            raise CliError(
-                f"'{args.src}' is already in the converted layout of {recipe.name} (it has '{key}' and no key "
-                f"matching {sources}); nothing was written. To write it back to the original layout: "
-                f"`modelpatch convert {args.src} DST {source_args} --reverse`"
-            ) from None
         other = other_type_rules(recipe, {model_type})
         raise CliError(str(exc).splitlines()[0] + (f"; {other}" if other else "")) from None
     except (OSError, ValueError, SafetensorError) as exc:  # unwritable DST, truncated file, broken index.json

@@ -12,6 +12,7 @@ Round trip: the saved folder loaded by plain Transformers (no patch) must equal 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -86,19 +87,24 @@ def _compare(keys, saved: _Tensors, source: _Tensors) -> tuple[str, str]:
     return "checkpoint", ""
 
 
-def parameter_provenance(model, checkpoint_dir: str, saved_dir: str, load_rows) -> list[ParamSource]:
+def parameter_provenance(
+    model, checkpoint_dir: str, saved_dir: str, load_rows, missing_keys: Collection[str] = ()
+) -> list[ParamSource]:
     """One :class:`ParamSource` per parameter of ``model`` (tied parameters listed under each name).
 
     Args:
         model: the patched model, loaded from ``checkpoint_dir``.
         saved_dir: where ``model.save_pretrained`` wrote it.
         load_rows: the conversion report's rows of direction ``"load"`` (checkpoint keys → model keys).
+        missing_keys: what ``from_pretrained(output_loading_info=True)`` reported missing for ``model``: such a
+            parameter is ``"not in checkpoint"`` even when other checkpoint keys went through built-in conversions.
     """
     prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
 
     def normalise(key: str) -> str:
         return key[len(prefix) :] if prefix and key.startswith(prefix) else key
 
+    missing = {normalise(str(k)) for k in missing_keys}
     from_rows = {}
     for row in load_rows:
         for target in row.target_keys:
@@ -125,6 +131,12 @@ def parameter_provenance(model, checkpoint_dir: str, saved_dir: str, load_rows) 
             claimed.update(keys)
             status, detail = _compare(keys, saved, source)
             result.append(ParamSource(name, status, tuple(source.stored_name(k) for k in keys), detail))
+        unfed = [n for n in pending if normalise(n) in missing]
+        result += [
+            ParamSource(n, "not in checkpoint", (), "from_pretrained reported it missing: its initial value")
+            for n in unfed
+        ]
+        pending = [n for n in pending if normalise(n) not in missing]
         if pending:
             rest = tuple(k for k in source.keys() if k not in claimed and k in saved)
             if not rest:

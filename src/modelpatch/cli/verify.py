@@ -336,7 +336,11 @@ def run_verify(
         if result.save_error is None:
             steps.set_postfix_str("provenance")
             result.provenance = parameter_provenance(
-                patched, model_dir, saved_dir, [r for r in rows if r.direction == "load"]
+                patched,
+                model_dir,
+                saved_dir,
+                [r for r in rows if r.direction == "load"],
+                missing_keys=patched_info.get("missing_keys") or (),
             )
             steps.update()
             steps.set_postfix_str("round trip")

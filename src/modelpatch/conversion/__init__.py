@@ -4,7 +4,8 @@ Rules (:class:`WeightConverter`, :class:`WeightRenaming`) and operations map che
 model's parameter layout on load, and back to the original layout on save. Modules, bottom to top (each imports only
 modules above it in this list, and from outside the package only :mod:`modelpatch.errors` and :mod:`modelpatch.patching`):
 
-``errors``    :class:`ConversionError`, :class:`ConversionShapeError`, :class:`OptimizerStateError, :class:`StateDictLayoutError``
+``errors``    :class:`ConversionError`, :class:`ConversionShapeError`, :class:`NothingToConvertError`,
+              :class:`OptimizerStateError`, :class:`StateDictLayoutError`
 ``ops``       operations with exact inverses (``Concatenate``, ``Chunk``, ``MergeModulelist``, ...)
 ``rules``     rules with module-path-boundary matching; Transformers' rule classes rebuilt as ours
 ``overlap``   which rules touch the same parameters; keys already in a rule's target layout
@@ -38,7 +39,13 @@ modules above it in this list, and from outside the package only :mod:`modelpatc
               of partitioned parameters (``ds_shape``), and the refusals for ungathered partitions
 """
 
-from .errors import ConversionError, ConversionShapeError, OptimizerStateError, StateDictLayoutError
+from .errors import (
+    ConversionError,
+    ConversionShapeError,
+    NothingToConvertError,
+    OptimizerStateError,
+    StateDictLayoutError,
+)
 from .manual import load_converted_state_dict
 from .offline import convert_checkpoint
 from .ops import Chunk, Concatenate, Deinterleave, Interleave, MergeModulelist, SplitModulelist, SwapDims, Transpose
@@ -81,6 +88,7 @@ __all__ = [
     "QuantizedSaveError",
     "SplitModulelist",
     "StateDictLayoutError",
+    "NothingToConvertError",
     "SwapDims",
     "Transpose",
     "WeightConverter",

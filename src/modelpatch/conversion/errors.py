@@ -13,6 +13,22 @@ class ConversionError(ModelpatchError, ValueError):
     """
 
 
+class NothingToConvertError(ConversionError):
+    """No conversion rule matches any key of a checkpoint (:func:`~modelpatch.convert_checkpoint`): the output would
+    be a copy, so nothing is written. The checkpoint is already in the layout the rules produce, or the rules are for
+    another layout (or direction).
+
+    Attributes:
+        source: the checkpoint folder or file.
+        rules: the rules that were tried.
+    """
+
+    def __init__(self, message: str, source: str = "", rules=()):
+        self.source = source
+        self.rules = list(rules)
+        super().__init__(message)
+
+
 class ConversionShapeError(ConversionError):
     """A converted tensor does not have the shape of the parameter it is destined for.
 

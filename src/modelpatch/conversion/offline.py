@@ -16,14 +16,14 @@ from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
 from .compose import layout_settled, settle_layouts
-from .errors import ConversionError
+from .errors import ConversionError, NothingToConvertError
 from .io import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, checkpoint_files
 from .plan import ConversionRow, build_plan, load_tensor
 from .reference import ReferenceShapes, state_shapes
 from .registry import get_checkpoint_conversion_mapping
 from .rules import as_modelpatch_rule
 
-__all__ = ["convert_checkpoint"]
+__all__ = ["convert_checkpoint", "rules_matching"]
 
 logger = logging.get_logger("modelpatch.conversion")
 
@@ -76,13 +76,34 @@ def _rules_for(name, rules, reverse):
 def _check_matched(plan, rules: list, src: str) -> None:
     """No rule matched any key: refuse (the output would be a copy); some rules matched nothing: warn."""
     if not plan.fired:
-        raise ConversionError(
+        raise NothingToConvertError(
             f"No conversion rule matched any key of '{src}' (rules: {rules!r}); nothing was written. Is the "
-            "checkpoint already in the target layout, or should --reverse be used?"
+            "checkpoint already in the target layout, or should --reverse be used?",
+            source=src,
+            rules=rules,
         )
     for rule in rules:
         if id(rule) not in plan.fired and not layout_settled(rule, rules, plan.fired):
             logger.warning(f"Conversion rule {rule!r} matched no key of '{src}'")
+
+
+def rules_matching(
+    src: str | os.PathLike, model_type_or_class_name: str | None = None, *, rules: list | None = None, reverse: bool
+) -> list:
+    """The rules :func:`convert_checkpoint` would apply to ``src`` (same arguments) that match at least one of its
+    keys; reads the files' headers only. ``[]``: the conversion would write nothing.
+
+    Raises:
+        ConversionError: as :func:`convert_checkpoint` for missing rules or an unreadable checkpoint.
+    """
+    rules = _rules_for(model_type_or_class_name, rules, reverse)
+    with ExitStack() as stack:
+        items: dict[str, object] = {}
+        for file in checkpoint_files(os.fspath(src)):
+            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            items.update((key, handle.get_slice(key)) for key in handle.keys())
+        plan = build_plan(items.items(), rules, reverse=reverse)
+    return [rule for rule in rules if id(rule) in plan.fired]
 
 
 def convert_checkpoint(
