@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import logging
+import pickle
 
 import pytest
 import torch
@@ -618,3 +621,113 @@ def test_a_module_whose_tensors_cannot_be_moved_back_is_refused_unless_keep_orig
         with torch.no_grad():
             assert (model(INPUT_IDS).logits - before).abs().max().item() < 1e-5
     _assert_back(model, snapshot)
+
+
+def _deepcopy(model):
+    return copy.deepcopy(model)
+
+
+def _pickle_round_trip(model):
+    return pickle.loads(pickle.dumps(model))
+
+
+def _torch_save_round_trip(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPY_CASES = [
+    ("llama-gqa", LlamaForCausalLM, "llama-fused-qkv"),
+    ("qwen2_moe", Qwen2MoeForCausalLM, "qwen2_moe-linear-experts"),
+]
+COPIERS = [_deepcopy, _pickle_round_trip, _torch_save_round_trip]
+
+
+def _values(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_values(model, values):
+    state = model.state_dict()
+    assert state.keys() == values.keys()
+    assert all(torch.equal(state[k], values[k]) for k in values)
+
+
+@pytest.mark.parametrize("copier", COPIERS, ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("case", COPY_CASES, ids=[c[0] for c in COPY_CASES])
+def test_a_copy_of_a_patched_model_is_patched_and_reverts_on_its_own(case, copier):
+    # /tmp/trial/deepcopy_patched.py: deepcopy failed on the UndoStack's lock, pickle / torch.save on Swap's weakrefs
+    _, model_cls, recipe = case
+    model = _build(model_cls, {})
+    unpatched = _values(model)
+    patch = get_recipe(recipe).patch(model)
+    torch.manual_seed(1)
+    with torch.no_grad():  # "trained" while patched: revert must carry these values back
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    patched = _values(model)
+    copied = copier(model)
+    [copied_patch] = ModelPatch.of(copied)
+    assert copied_patch is not patch and copied_patch.model is copied
+    assert ModelPatch.of(model) == [patch]
+    assert [r.path for r in copied_patch.report] == [r.path for r in patch.report]
+    originals = {id(p) for p in model.parameters()}
+    assert not any(id(p) in originals for p in copied.parameters())
+
+    copied_patch.revert()  # the copy reverts; the original stays patched, its values untouched
+    assert copied_patch.reverted and not patch.reverted
+    _assert_values(model, patched)
+    assert ModelPatch.of(copied) == [] and get_state(copied) is None
+    assert copied.state_dict().keys() == unpatched.keys()
+
+    patch.revert()  # the same values come back on both
+    _assert_values(copied, _values(model))
+    assert not any(torch.equal(_values(model)[k], unpatched[k]) for k in unpatched if "layers.0" in k)
+
+
+def test_a_deepcopy_reverted_after_the_original_and_its_own_optimizer():
+    model = _build(LlamaForCausalLM, {})
+    patch = get_recipe("llama-fused-qkv").patch(model)
+    copied = copy.deepcopy(model)
+    [copied_patch] = ModelPatch.of(copied)
+    copied_values = _values(copied)
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.1)
+    patch.revert()
+    _assert_values(copied, copied_values)  # the copy is still patched, unchanged
+    assert type(copied.model.layers[0].self_attn) is FUSED_QKV_CLASSES["llama"]
+    copied_patch.revert()
+    assert copied_patch.update_optimizer(optimizer) == 2  # each qkv_proj back to the copy's q, k, v
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in copied.parameters()]
+    _assert_values(copied, _values(model))
+
+
+def test_revert_after_peft_wrapped_layers_of_the_replacement_is_refused_and_changes_nothing():
+    # /tmp/trial/peft_revert.py: revert raised a ConversionError about Chunk(dim=0) and a '...base_layer' key
+    from peft import LoraConfig, get_peft_model
+
+    model = _build(LlamaForCausalLM, {})
+    patch = get_recipe("llama-fused-qkv").patch(model)
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["qkv_proj", "o_proj"], r=2, init_lora_weights=False))
+    before = _values(model)
+    attentions = [layer.self_attn for layer in model.model.layers]
+    prefix = "model.layers.0.self_attn."
+    message = (
+        f"cannot revert: the tensors of '{prefix[:-1]}' \\(FusedQKVLlamaAttention\\) are no longer the ones "
+        f"patch_model put there: unexpected keys \\['{prefix}o_proj.base_layer.weight', .*missing keys \\['{prefix}"
+        f"o_proj.weight', '{prefix}qkv_proj.weight'\\]; PEFT adapters wrap its layers: call merge_and_unload\\(\\)"
+    )
+    with pytest.raises(modelpatch.ModelpatchError, match=message) as info:
+        patch.revert()
+    assert type(info.value) is modelpatch.errors.ModelpatchRuntimeError
+    assert not patch.reverted and ModelPatch.of(model) == [patch]
+    assert [layer.self_attn for layer in model.model.layers] == attentions
+    _assert_values(model, before)
+
+    merged = peft_model.merge_and_unload()  # the way out: the adapters merged into qkv_proj, then revert
+    assert merged is model
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
+    patch.revert()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q, qkv[: q.shape[0]])
