@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import logging
+import pickle
 
 import pytest
 import torch
@@ -24,7 +27,14 @@ from helpers import (
     tiny_qwen2_moe_config,
     tiny_qwen3_moe_config,
 )
-from modelpatch import InstancePatchError, ModelPatch, UnmatchedPatchKeyError, apply_patches, patch_model
+from modelpatch import (
+    InstancePatchError,
+    ModelPatch,
+    OptimizerGroupError,
+    UnmatchedPatchKeyError,
+    apply_patches,
+    patch_model,
+)
 from modelpatch.conversion.state import get_state
 from modelpatch.recipes import FUSED_QKV_CLASSES, LINEAR_EXPERTS_CLASSES, get_recipe
 from modelpatch.routing import record_routing, replay_routing
@@ -151,18 +161,36 @@ def test_untouched_tensors_are_handed_over_and_converted_originals_are_freed():
 
 def test_dtype_and_requires_grad_follow_the_sources():
     model = _build(LlamaForCausalLM, {}).to(torch.bfloat16)
-    for layer in model.model.layers:
-        layer.self_attn.q_proj.weight.requires_grad_(False)
-        layer.self_attn.k_proj.weight.requires_grad_(False)
-        layer.self_attn.v_proj.weight.requires_grad_(False)
-    model.model.layers[1].self_attn.v_proj.weight.requires_grad_(True)
+    attention = model.model.layers[0].self_attn
+    for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+        proj.weight.requires_grad_(False)
     snapshot = _snapshot(model)
     with get_recipe("llama-fused-qkv").patch(model):
         qkv = [layer.self_attn.qkv_proj.weight for layer in model.model.layers]
         assert [w.dtype for w in qkv] == [torch.bfloat16, torch.bfloat16]
-        assert [w.requires_grad for w in qkv] == [False, True]  # layer 1: one of its sources trains
+        assert [w.requires_grad for w in qkv] == [False, True]  # layer 0: all sources frozen; layer 1: all train
     _assert_back(model, snapshot)
-    assert [layer.self_attn.q_proj.weight.requires_grad for layer in model.model.layers] == [False, False]
+    assert [layer.self_attn.q_proj.weight.requires_grad for layer in model.model.layers] == [False, True]
+
+
+def test_a_new_parameter_from_frozen_and_trainable_sources_is_refused_before_anything_changes():
+    # /tmp/trial/frozen_q.py: the fused qkv_proj trained (any source trains), revert wrote it into the frozen q_proj
+    model = _build(LlamaForCausalLM, {})
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight.requires_grad_(False)
+    snapshot = _snapshot(model)
+    prefix = "model.layers.0.self_attn."
+    message = (
+        f"the new parameter '{prefix}qkv_proj.weight' is made from frozen \\['{prefix}q_proj.weight'\\] "
+        f"\\(requires_grad=False\\) and trainable \\['{prefix}k_proj.weight', '{prefix}v_proj.weight'\\]"
+    )
+    with pytest.raises(InstancePatchError, match=message):
+        get_recipe("llama-fused-qkv").patch(model)
+    _assert_back(model, snapshot)
+    assert [p.requires_grad for p in model.parameters()] == [
+        not k.endswith("q_proj.weight") for k, _ in model.named_parameters()
+    ]
+    assert get_state(model) is None and ModelPatch.of(model) == []
 
 
 def _train(model, steps=3):
@@ -360,6 +388,63 @@ def test_update_optimizer_follows_the_key_map_both_ways():
     assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
 
 
+def _group_ids(optimizer):
+    return [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+
+
+def test_update_optimizer_refuses_sources_in_two_groups_and_accepts_them_in_one():
+    # /tmp/trial/opt_groups.py: q/k in a group with lr 0.1, v with lr 0.05 -> qkv_proj was in both, stepped twice
+    model = _build(LlamaForCausalLM, {})
+    attention = model.model.layers[0].self_attn
+    qk, v = [attention.q_proj.weight, attention.k_proj.weight], [attention.v_proj.weight]
+    rest = [p for p in model.parameters() if all(p is not q for q in qk + v)]
+    optimizer = torch.optim.SGD([{"params": qk, "lr": 0.1}, {"params": v, "lr": 0.05}, {"params": rest}], lr=0.0)
+    before = _group_ids(optimizer)
+    patch = get_recipe("llama-fused-qkv").patch(model)
+    prefix = "model.layers.0.self_attn."
+    message = (
+        f"cannot place '{prefix}qkv_proj.weight': its sources sit in different parameter groups \\('{prefix}q_proj"
+        f".weight' in group 0 \\(lr=0.1, .*'{prefix}v_proj.weight' in group 1 \\(lr=0.05, .*Put \\['{prefix}"
+        f"q_proj.weight', '{prefix}k_proj.weight', '{prefix}v_proj.weight'\\] in one parameter group, or build the "
+        "optimizer after patching"
+    )
+    with pytest.raises(OptimizerGroupError, match=message):
+        patch.update_optimizer(optimizer)
+    assert _group_ids(optimizer) == before  # unchanged
+    patch.revert()
+
+    # the same sources in one group: qkv_proj goes into that group only
+    optimizer = torch.optim.SGD([{"params": qk + v, "lr": 0.1}, {"params": rest}], lr=0.0)
+    patch = get_recipe("llama-fused-qkv").patch(model)
+    assert patch.update_optimizer(optimizer) == 2 * 3
+    assert _group_ids(optimizer)[0] == [id(model.model.layers[0].self_attn.qkv_proj.weight)]
+    assert sorted(sum(_group_ids(optimizer), [])) == sorted(id(p) for p in model.parameters())
+    patch.revert()
+    assert patch.update_optimizer(optimizer) == 2
+    assert _group_ids(optimizer)[0] == [id(p) for p in qk + v]
+    assert sorted(sum(_group_ids(optimizer), [])) == sorted(id(p) for p in model.parameters())
+
+
+def test_update_optimizer_after_revert_refuses_one_parameter_from_two_groups():
+    # the reverse mapping: one fused experts parameter comes back from per-expert parameters in two groups
+    model = _build(Qwen3MoeForCausalLM, {})
+    patch = get_recipe("qwen3_moe-linear-experts").patch(model)
+    names = dict(model.named_parameters())
+    first = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    assert first in names
+    rest = [p for k, p in names.items() if k != first]
+    optimizer = torch.optim.SGD([{"params": [names[first]], "lr": 0.1}, {"params": rest, "lr": 0.2}])
+    patch.revert()
+    before = _group_ids(optimizer)
+    message = (
+        "cannot place 'model.layers.0.mlp.experts.gate_up_proj': its sources sit in different parameter groups "
+        f"\\('{first}' in group 0 \\(lr=0.1, .*'model.layers.0.mlp.experts.0.up_proj.weight' in group 1 \\(lr=0.2"
+    )
+    with pytest.raises(OptimizerGroupError, match=message):
+        patch.update_optimizer(optimizer)
+    assert _group_ids(optimizer) == before
+
+
 class NormFromModule(nn.Module):
     """A replacement that cannot be built with ``LlamaRMSNorm``'s arguments, but says how to build it."""
 
@@ -536,3 +621,113 @@ def test_a_module_whose_tensors_cannot_be_moved_back_is_refused_unless_keep_orig
         with torch.no_grad():
             assert (model(INPUT_IDS).logits - before).abs().max().item() < 1e-5
     _assert_back(model, snapshot)
+
+
+def _deepcopy(model):
+    return copy.deepcopy(model)
+
+
+def _pickle_round_trip(model):
+    return pickle.loads(pickle.dumps(model))
+
+
+def _torch_save_round_trip(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPY_CASES = [
+    ("llama-gqa", LlamaForCausalLM, "llama-fused-qkv"),
+    ("qwen2_moe", Qwen2MoeForCausalLM, "qwen2_moe-linear-experts"),
+]
+COPIERS = [_deepcopy, _pickle_round_trip, _torch_save_round_trip]
+
+
+def _values(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_values(model, values):
+    state = model.state_dict()
+    assert state.keys() == values.keys()
+    assert all(torch.equal(state[k], values[k]) for k in values)
+
+
+@pytest.mark.parametrize("copier", COPIERS, ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("case", COPY_CASES, ids=[c[0] for c in COPY_CASES])
+def test_a_copy_of_a_patched_model_is_patched_and_reverts_on_its_own(case, copier):
+    # /tmp/trial/deepcopy_patched.py: deepcopy failed on the UndoStack's lock, pickle / torch.save on Swap's weakrefs
+    _, model_cls, recipe = case
+    model = _build(model_cls, {})
+    unpatched = _values(model)
+    patch = get_recipe(recipe).patch(model)
+    torch.manual_seed(1)
+    with torch.no_grad():  # "trained" while patched: revert must carry these values back
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    patched = _values(model)
+    copied = copier(model)
+    [copied_patch] = ModelPatch.of(copied)
+    assert copied_patch is not patch and copied_patch.model is copied
+    assert ModelPatch.of(model) == [patch]
+    assert [r.path for r in copied_patch.report] == [r.path for r in patch.report]
+    originals = {id(p) for p in model.parameters()}
+    assert not any(id(p) in originals for p in copied.parameters())
+
+    copied_patch.revert()  # the copy reverts; the original stays patched, its values untouched
+    assert copied_patch.reverted and not patch.reverted
+    _assert_values(model, patched)
+    assert ModelPatch.of(copied) == [] and get_state(copied) is None
+    assert copied.state_dict().keys() == unpatched.keys()
+
+    patch.revert()  # the same values come back on both
+    _assert_values(copied, _values(model))
+    assert not any(torch.equal(_values(model)[k], unpatched[k]) for k in unpatched if "layers.0" in k)
+
+
+def test_a_deepcopy_reverted_after_the_original_and_its_own_optimizer():
+    model = _build(LlamaForCausalLM, {})
+    patch = get_recipe("llama-fused-qkv").patch(model)
+    copied = copy.deepcopy(model)
+    [copied_patch] = ModelPatch.of(copied)
+    copied_values = _values(copied)
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.1)
+    patch.revert()
+    _assert_values(copied, copied_values)  # the copy is still patched, unchanged
+    assert type(copied.model.layers[0].self_attn) is FUSED_QKV_CLASSES["llama"]
+    copied_patch.revert()
+    assert copied_patch.update_optimizer(optimizer) == 2  # each qkv_proj back to the copy's q, k, v
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in copied.parameters()]
+    _assert_values(copied, _values(model))
+
+
+def test_revert_after_peft_wrapped_layers_of_the_replacement_is_refused_and_changes_nothing():
+    # /tmp/trial/peft_revert.py: revert raised a ConversionError about Chunk(dim=0) and a '...base_layer' key
+    from peft import LoraConfig, get_peft_model
+
+    model = _build(LlamaForCausalLM, {})
+    patch = get_recipe("llama-fused-qkv").patch(model)
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["qkv_proj", "o_proj"], r=2, init_lora_weights=False))
+    before = _values(model)
+    attentions = [layer.self_attn for layer in model.model.layers]
+    prefix = "model.layers.0.self_attn."
+    message = (
+        f"cannot revert: the tensors of '{prefix[:-1]}' \\(FusedQKVLlamaAttention\\) are no longer the ones "
+        f"patch_model put there: unexpected keys \\['{prefix}o_proj.base_layer.weight', .*missing keys \\['{prefix}"
+        f"o_proj.weight', '{prefix}qkv_proj.weight'\\]; PEFT adapters wrap its layers: call merge_and_unload\\(\\)"
+    )
+    with pytest.raises(modelpatch.ModelpatchError, match=message) as info:
+        patch.revert()
+    assert type(info.value) is modelpatch.errors.ModelpatchRuntimeError
+    assert not patch.reverted and ModelPatch.of(model) == [patch]
+    assert [layer.self_attn for layer in model.model.layers] == attentions
+    _assert_values(model, before)
+
+    merged = peft_model.merge_and_unload()  # the way out: the adapters merged into qkv_proj, then revert
+    assert merged is model
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
+    patch.revert()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q, qkv[: q.shape[0]])

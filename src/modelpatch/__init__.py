@@ -17,7 +17,7 @@ from typing import Any
 import transformers as _transformers
 
 from .apply.blocks import apply_patches
-from .apply.model_patch import InstancePatchError, InstancePatchRow, ModelPatch, patch_model
+from .apply.model_patch import InstancePatchError, InstancePatchRow, ModelPatch, OptimizerGroupError, patch_model
 from .apply.transformers import install as _install
 from .conversion import (
     Chunk,
@@ -82,6 +82,7 @@ __all__ = [
     "ModelPatch",
     "InstancePatchRow",
     "InstancePatchError",
+    "OptimizerGroupError",
     "replacement_of",
     "Replacement",
     "ModelpatchError",

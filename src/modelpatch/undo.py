@@ -252,6 +252,15 @@ class UndoStack:
     def __exit__(self, *exc_info: object) -> None:
         self.undo()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The changes without the lock (``copy.deepcopy`` / ``pickle`` of an object holding the stack)."""
+        with self._lock:
+            return {"_changes": list(self._changes)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self._changes = list(state["_changes"])
+
 
 @contextlib.contextmanager
 def context_set(var: ContextVar[_V], value: _V) -> Iterator[_V]:

@@ -13,7 +13,7 @@ class name or regex, Transformers' modeling classes only):
    (:mod:`modelpatch.conversion.transfer`): Transformers' built-in conversions reversed (model layout -> checkpoint
    layout), then the conversion rules forward (checkpoint -> replacement layout). A tensor no rule changes is handed
    over as the same object (no copy: ties stay tied). Each new tensor keeps the dtype and device of its sources, and a
-   new parameter ``requires_grad`` when one of its sources does;
+   new parameter ``requires_grad`` as its sources do (sources of mixed ``requires_grad`` are refused);
 3. the replacement takes the original's place, and (unless ``keep_original=True``) the original's converted tensors
    are freed, one module at a time.
 
@@ -45,7 +45,7 @@ from ..conversion.registry import rulesets_in_force, scoped_rulesets
 from ..conversion.rules import rule_layout
 from ..conversion.state import STATE_ATTR, ConversionState, get_state, set_state
 from ..conversion.transfer import transfer_rules
-from ..errors import ModelpatchRuntimeError, ModelpatchValueError
+from ..errors import ModelpatchError, ModelpatchRuntimeError, ModelpatchValueError
 from ..patching.registry import build_patch_mapping, registered_patch_mapping
 from ..undo import ABSENT, UndoStack
 from .swap import (
@@ -66,11 +66,24 @@ from .swap import (
 if TYPE_CHECKING:
     from transformers.core_model_loading import WeightTransform
 
-__all__ = ["patch_model", "ModelPatch", "InstancePatchRow", "InstancePatchError", "constructor_arguments"]
+__all__ = [
+    "patch_model",
+    "ModelPatch",
+    "InstancePatchRow",
+    "InstancePatchError",
+    "OptimizerGroupError",
+    "constructor_arguments",
+]
 
 logger = logging.get_logger("modelpatch")
 
 _PATCHES_ATTR = "_modelpatch_instance_patches"
+
+
+class OptimizerGroupError(ModelpatchError, ValueError):
+    """:meth:`ModelPatch.update_optimizer` would put one parameter in two parameter groups (its sources sit in
+    different groups); the message names the parameter, its sources and their groups. The optimizer was not
+    changed."""
 
 
 @dataclass
@@ -99,6 +112,22 @@ class ModelPatch:
         self._bound: list[WeightTransform] = []  # user rules bound to the model for saving
         self._owner: dict[int, str | None] = {}
         self._recorded: dict[str, tuple[int, ...]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ``_owner`` is keyed by ``id(rule)``, which a copy or another process does not keep: store the rules
+        state = dict(vars(self))
+        state["_owner"] = [(rule, self._owner.get(id(rule))) for rule in self._bound]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update({**state, "_owner": {id(rule): name for rule, name in state["_owner"]}})
+
+    @staticmethod
+    def of(model: nn.Module) -> list[ModelPatch]:
+        """The active (not reverted) patches of ``model``, in patch order. A ``copy.deepcopy`` or unpickled copy of
+        a patched model carries its own: their :meth:`revert` and :meth:`update_optimizer` work on the copy."""
+        record = vars(model).get(_PATCHES_ATTR)
+        return list(record.patches) if record is not None else []
 
     @property
     def report(self) -> list[InstancePatchRow]:
@@ -150,7 +179,9 @@ class ModelPatch:
 
         Raises:
             ModelpatchRuntimeError: a replaced module is no longer where the patch put it (something else swapped
-                it); nothing is reverted then.
+                it), or its tensors are no longer the ones the patch made (keys added, removed or renamed inside it,
+                e.g. PEFT's ``base_layer`` / ``lora_A`` wrapping a layer of the replacement: ``merge_and_unload()``
+                or ``unload()`` first); nothing is reverted then, the model stays patched and unchanged.
             ConversionError: the replacement's tensors cannot go through the inverse operations (e.g. weights
                 quantized after the patch: a quantized tensor cannot be stacked back into a fused parameter); the
                 model stays patched.
@@ -163,6 +194,7 @@ class ModelPatch:
                 f"cannot revert: module(s) {moved} are no longer the replacements patch_model put there (replaced "
                 "again by other code); put them back first"
             )
+        self._refuse_changed_tensors()
         for swap in reversed(self._swaps):
             if not self.keep_original and swap.reversible:
                 self._write_back(swap)
@@ -172,6 +204,32 @@ class ModelPatch:
             swap.sources = {}
         self.reverted = True
         _forget(self.model, self)
+
+    def _refuse_changed_tensors(self) -> None:
+        """Raise :class:`ModelpatchRuntimeError` when a replacement's parameter and buffer keys are no longer the
+        ones the patch filled (:attr:`ModuleMove.target_shapes`): the inverse rules would meet keys they do not
+        know, or silently drop what was added."""
+        for swap in self._swaps:
+            assert swap.replacement is not None
+            prefix = swap.path + "."
+            keys = {prefix + k for k in swap.replacement.state_dict(keep_vars=True)}
+            expected = set(swap.move.target_shapes)
+            if keys == expected:
+                continue
+            added, gone = sorted(keys - expected), sorted(expected - keys)
+            message = (
+                f"cannot revert: the tensors of '{swap.path}' ({type(swap.replacement).__qualname__}) are no longer "
+                f"the ones patch_model put there: unexpected keys {added[:4]}{' ...' if len(added) > 4 else ''}, "
+                f"missing keys {gone[:4]}{' ...' if len(gone) > 4 else ''}"
+            )
+            if any(".base_layer." in k or ".lora_" in k for k in added):
+                message += (
+                    "; PEFT adapters wrap its layers: call merge_and_unload() (keep the trained adapters) or "
+                    "unload() (drop them) on the PEFT model first, then revert"
+                )
+            else:
+                message += "; put the layers patch_model built back first"
+            raise ModelpatchRuntimeError(message + ". Nothing was reverted: the model is still patched, unchanged.")
 
     def _write_back(self, swap: Swap) -> None:
         assert swap.replacement is not None
@@ -201,31 +259,94 @@ class ModelPatch:
 
         Call it right after :func:`patch_model` / :meth:`revert`. Without it, build a new optimizer over
         ``model.parameters()``; :attr:`report` maps old keys to new ones.
+
+        Raises:
+            OptimizerGroupError: a parameter would go into two parameter groups: the sources of one new parameter
+                (``q_proj``, ``k_proj``, ``v_proj`` of one ``qkv_proj``; after revert, the per-expert parameters of
+                one fused one) sit in different groups, whose settings (``lr``, ``weight_decay``, ...) one parameter
+                cannot have both of. Put them in one group, or build the optimizer after patching. The optimizer is
+                not changed then.
         """
-        forward: dict[int, list[nn.Parameter]] = {}
-        for swap in self._swaps:
-            for old_ref, new_refs in swap.pairs:
-                old, new = old_ref(), [p for p in (r() for r in new_refs) if p is not None]
-                if old is None or not new:
-                    continue
-                if not self.reverted:
-                    forward[id(old)] = new
-                else:
-                    for p in new:
-                        forward.setdefault(id(p), []).append(old)
+        forward, names = self._optimizer_map()
         replaced = 0
-        for group in optimizer.param_groups:
+        plan: list[list[nn.Parameter]] = []
+        dropped: list[nn.Parameter] = []
+        sources: dict[int, list[tuple[str, int]]] = {}  # id(new parameter) -> (source key, group index)
+        for index, group in enumerate(optimizer.param_groups):
             params: list[nn.Parameter] = []
             for param in group["params"]:
                 found = forward.get(id(param))
-                if found is None or (len(found) == 1 and found[0] is param):
+                if found is None or (len(found) == 1 and found[0][1] is param):
                     params.append(param)
                     continue
-                optimizer.state.pop(param, None)
-                params.extend(p for p in found if all(p is not q for q in params))
+                dropped.append(param)
+                for _, new in found:
+                    sources.setdefault(id(new), []).append((names[id(param)], index))
+                params.extend(p for _, p in found if all(p is not q for q in params))
                 replaced += 1
+            plan.append(params)
+        _refuse_two_groups(optimizer, plan, sources, names)
+        for param in dropped:
+            optimizer.state.pop(param, None)
+        for group, params in zip(optimizer.param_groups, plan, strict=True):
             group["params"] = params
         return replaced
+
+    def _optimizer_map(self) -> tuple[dict[int, list[tuple[str, nn.Parameter]]], dict[int, str]]:
+        """``({id(parameter to replace): [(key, parameter replacing it), ...]}, {id(parameter): its key})`` in the
+        direction of the model's current state (patched: originals -> new; reverted: new -> originals)."""
+        forward: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        names: dict[int, str] = {}
+        for swap in self._swaps:
+            for old_key, old_ref, new_refs in swap.pairs:
+                old = old_ref()
+                new = [(k, p) for k, p in ((k, r()) for k, r in new_refs) if p is not None]
+                if old is None or not new:
+                    continue
+                names[id(old)] = old_key
+                names.update((id(p), k) for k, p in new)
+                if not self.reverted:
+                    forward[id(old)] = new
+                else:
+                    for _, p in new:
+                        forward.setdefault(id(p), []).append((old_key, old))
+        return forward, names
+
+
+def _refuse_two_groups(
+    optimizer: torch.optim.Optimizer,
+    plan: list[list[nn.Parameter]],
+    sources: dict[int, list[tuple[str, int]]],
+    names: dict[int, str],
+) -> None:
+    """Raise :class:`OptimizerGroupError` when a parameter appears in two of the groups of ``plan`` (the groups'
+    new parameter lists); ``sources``: the (key, group) each new parameter comes from."""
+    groups: dict[int, list[int]] = {}
+    by_id: dict[int, nn.Parameter] = {}
+    for index, params in enumerate(plan):
+        for param in params:
+            groups.setdefault(id(param), []).append(index)
+            by_id[id(param)] = param
+    clashes = [pid for pid, where in groups.items() if len(set(where)) > 1]
+    if not clashes:
+        return
+    pid = clashes[0]
+
+    def label(index: int) -> str:
+        settings = {k: v for k, v in optimizer.param_groups[index].items() if k in ("lr", "weight_decay")}
+        return f"group {index} ({', '.join(f'{k}={v}' for k, v in settings.items())})"
+
+    origin = sources.get(pid, [])
+    described = ", ".join(f"'{key}' in {label(index)}" for key, index in origin)
+    kept = [index for index in groups[pid] if index not in {i for _, i in origin}]
+    if kept:
+        described += f"; it is also in {', '.join(label(i) for i in kept)} itself"
+    raise OptimizerGroupError(
+        f"update_optimizer cannot place '{names.get(pid, tuple(by_id[pid].shape))}': its sources sit in different "
+        f"parameter groups ({described}), and one parameter cannot be stepped with the settings of two groups (it "
+        f"would be stepped once per group). Put {[key for key, _ in origin]} in one parameter group, or build the "
+        "optimizer after patching (over model.parameters()). The optimizer was not changed."
+    )
 
 
 # -- the conversion state of the model ----------------------------------------------------------------------------
@@ -313,7 +434,9 @@ def patch_model(
     otherwise with the original class's constructor arguments (see :func:`constructor_arguments`). Tensors pass
     model layout -> (Transformers' built-in rules reversed) -> checkpoint layout -> (conversion rules) -> replacement
     layout, one module at a time; see :mod:`modelpatch.conversion.transfer`. New tensors keep the dtype and device of
-    their sources; a new parameter ``requires_grad`` if any of its sources does; a tensor no rule changes is the same
+    their sources; a new parameter made from frozen sources (``requires_grad=False``) is frozen, one made from
+    trainable sources trains, and one made from both is refused (it cannot be frozen in part: training it would change
+    the frozen values, written back on revert); a tensor no rule changes is the same
     object (parameters tied to others stay tied; one tied outside the module whose layout changes is refused). The
     model's conversion state is extended with the rules that fired, so ``save_pretrained`` writes the original
     layout. Gradients (``.grad``) are not carried over. Replaced modules are marked (:func:`~modelpatch.replacement_of`,
@@ -323,7 +446,9 @@ def patch_model(
         InstancePatchError: the model is wrapped (PEFT, DDP, FSDP, ``torch.compile``) or was loaded quantized by
             Transformers (``hf_quantizer``: load it with ``quantization_config`` inside the recipe instead), a module
             to replace holds quantized layers or weights, or is already a replacement, carries accelerate hooks or offloaded (meta) tensors, has a constructor argument that
-            cannot be recovered, has a parameter tied outside it whose layout changes; or the model itself matches.
+            cannot be recovered, has a parameter tied outside it whose layout changes, or would get a new parameter made
+            from frozen and trainable sources (the message names the new key and which sources are frozen); or the
+            model itself matches.
         UnmatchedPatchKeyError: ``strict`` and a key matches no module class of the model.
         ConversionError, ConversionShapeError: the rules produce keys or shapes the replacement does not have, an
             operation cannot be applied, or (``strict``) a rule moved nothing / a replacement tensor is not provided.

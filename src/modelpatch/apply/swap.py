@@ -98,9 +98,23 @@ class InstancePatchRow:
         }
 
 
+class _Gone:
+    """A stand-in whose only reference dies at once: a dead weak reference after unpickling."""
+
+
+def _dead_ref() -> weakref.ref[Any]:
+    return weakref.ref(_Gone())
+
+
 @dataclass
 class Swap:
-    """One replaced module and what its revert needs."""
+    """One replaced module and what its revert needs.
+
+    ``pairs``: ``(original key, weak reference to the original parameter, [(new key, weak reference to a new
+    parameter it went into), ...])`` for :meth:`~modelpatch.apply.model_patch.ModelPatch.update_optimizer`. The weak
+    references travel through ``copy.deepcopy`` and ``pickle`` as strong ones (so a copy of the model refers to its
+    own parameters) and are weak again afterwards.
+    """
 
     path: str
     parent: nn.Module
@@ -111,8 +125,22 @@ class Swap:
     sources: dict[str, torch.Tensor]  # full key -> the original's parameter / buffer object
     strides: dict[str, tuple[int, ...]]  # full key -> stride before the patch
     move: ModuleMove  # the conversion both ways (its forward tensors released once the replacement holds them)
-    pairs: list[tuple[weakref.ref[nn.Parameter], list[weakref.ref[nn.Parameter]]]] = field(default_factory=list)
+    pairs: list[tuple[str, weakref.ref[nn.Parameter], list[tuple[str, weakref.ref[nn.Parameter]]]]] = field(
+        default_factory=list
+    )
     reversible: bool = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(vars(self))
+        state["pairs"] = [(key, old(), [(k, r()) for k, r in new]) for key, old, new in self.pairs]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        def ref(value: Any) -> weakref.ref[Any]:
+            return _dead_ref() if value is None else weakref.ref(value)
+
+        pairs = [(key, ref(old), [(k, ref(p)) for k, p in new]) for key, old, new in state["pairs"]]
+        vars(self).update({**state, "pairs": pairs})
 
 
 def owned_tensors(
@@ -510,6 +538,7 @@ def validate_on_meta(
                     f"cannot patch '{path}': '{names[0]}' is tied to {outside} outside the module, and the rules change "
                     f"its layout (into '{out_key}'); the tie could not be kept. The model was not modified."
                 )
+    _refuse_partly_frozen(path, built, sources, moved)
     missing = sorted(moved.extra)
     if missing:
         message = (
@@ -537,6 +566,27 @@ def validate_on_meta(
     others = [k for k, _ in built.named_buffers() if k not in state_keys]  # non-persistent buffers: __init__ values
     target.real_build = bool(missing or others or _meta_attributes(built))
     return moved.fired
+
+
+def _refuse_partly_frozen(path: str, built: nn.Module, sources: dict[str, torch.Tensor], moved: ModuleMove) -> None:
+    """Raise :class:`InstancePatchError` when a new parameter of ``built`` is made from original parameters of which
+    some are frozen (``requires_grad=False``) and some are not: one parameter cannot be frozen in part (training it
+    would change the frozen ones, written back on revert)."""
+    prefix = path + "."
+    new_params = {prefix + k for k, _ in built.named_parameters(remove_duplicate=False)}
+    for key, origin in moved.origins.items():
+        if key not in new_params:
+            continue
+        params = [o for o in origin if isinstance(sources.get(o), nn.Parameter)]
+        frozen = [o for o in params if not sources[o].requires_grad]
+        trainable = [o for o in params if sources[o].requires_grad]
+        if frozen and trainable:
+            raise InstancePatchError(
+                f"cannot patch '{path}': the new parameter '{key}' is made from frozen {frozen} "
+                f"(requires_grad=False) and trainable {trainable}; one parameter cannot be frozen in part (training "
+                "it would change the frozen values). Freeze all of its sources or none before patching, or freeze "
+                f"'{key}' after patching. The model was not modified."
+            )
 
 
 def _meta_attributes(module: nn.Module) -> bool:
@@ -582,7 +632,7 @@ def swap_module(
     keep_ids = {id(t) for k, t in sources.items() if not keep_all or k in target.tied_outside}
     tensors = owned_tensors(moved.tensors, sources=sources.values(), keep_ids=keep_ids)
     handed_over = {id(v) for v in tensors.values()} & {id(t) for t in sources.values()}
-    pairs: dict[str, list[nn.Parameter]] = {}
+    pairs: dict[str, list[tuple[str, nn.Parameter]]] = {}
     with torch.no_grad():
         for key, value in tensors.items():
             owner_path, _, leaf = key[len(prefix) :].rpartition(".")
@@ -593,7 +643,7 @@ def swap_module(
                     value = nn.Parameter(value, requires_grad=grad)
                 owner._parameters[leaf] = value
                 for origin in moved.origins[key]:
-                    pairs.setdefault(origin, []).append(value)
+                    pairs.setdefault(origin, []).append((key, value))
             else:
                 owner._buffers[leaf] = value.detach() if isinstance(value, nn.Parameter) else value
     leftovers = [k for k, t in replacement.state_dict(keep_vars=True).items() if t.device.type == "meta"]
@@ -615,7 +665,7 @@ def swap_module(
         move=moved,
         reversible=target.reversible,
         pairs=[
-            (weakref.ref(sources[k]), [weakref.ref(p) for p in ps])
+            (k, weakref.ref(sources[k]), [(n, weakref.ref(p)) for n, p in ps])
             for k, ps in pairs.items()
             if isinstance(sources.get(k), nn.Parameter)
         ],

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import core_model_loading as _tcml
@@ -236,7 +237,11 @@ class ModuleMove:
             ``qkv_proj`` splits 64/32/32, not in equal thirds).
         source_shapes: ``{full original key: shape}``.
         extra: replacement keys no rule provides (``__init__`` values): the inverse drops them.
-        target_shapes: ``{full replacement key: shape}``.
+        target_shapes: ``{full replacement key: shape}``: the keys a replacement holding exactly the tensors of the
+            move has (a caller compares them with the replacement's keys before :meth:`inverse`).
+
+    ``fired`` holds ids, which another process or a ``copy.deepcopy`` does not keep: ``__getstate__`` stores the
+    rule objects themselves (copied or pickled with the rest), ``__setstate__`` takes their ids again.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -283,6 +288,22 @@ class ModuleMove:
     def release(self) -> None:
         """Drop the forward tensors (the replacement holds them now); the inverse keeps working."""
         self.tensors = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(vars(self))
+        state["fired"] = [r for r in _all_rules(self.rules) if id(r) in self.fired]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update({**state, "fired": {id(r) for r in state["fired"]}})
+
+
+def _all_rules(rules: TransferRules) -> list:
+    """Every rule object whose id a :class:`ModuleMove` may record as fired, each once."""
+    seen: dict[int, Any] = {}
+    for rule in [*rules.builtins, *rules.rules, *rules.key_renamings, *rules.user.rules]:
+        seen.setdefault(id(rule), rule)
+    return list(seen.values())
 
 
 def _renames(renaming, key: str) -> bool:
