@@ -401,3 +401,21 @@ def test_head_class_registration_is_refused_with_the_fix_named():
         register_output_recorder(
             modeling_qwen2_moe.Qwen2MoePreTrainedModel, "selected_experts", modeling_qwen2_moe.Qwen2MoeTopKRouter
         )
+
+
+def test_the_conversion_report_of_a_copy_names_each_rules_registry_entry(tmp_path):
+    """The conversion state keys its rules' registry names by ``id(rule)``: a deepcopied or pickled model reported
+    ``registered_as=None`` for every row of its save. The names travel with the rules."""
+    from modelpatch.conversion import conversion_report
+    from modelpatch.recipes import get_recipe
+
+    save_tiny(modeling_qwen2_moe.Qwen2MoeForCausalLM, tiny_qwen2_moe_config(), tmp_path / "ck")
+    with get_recipe("qwen2_moe-full-example").apply():
+        model = modeling_qwen2_moe.Qwen2MoeForCausalLM.from_pretrained(tmp_path / "ck")
+    loaded = [(r.rule, r.registered_as) for r in conversion_report(model)]
+    assert loaded and {name for _, name in loaded} == {"qwen2_moe"}
+    for number, clone in enumerate((copy.deepcopy(model), pickle.loads(pickle.dumps(model)))):
+        assert [(r.rule, r.registered_as) for r in conversion_report(clone)] == loaded
+        clone.save_pretrained(tmp_path / f"clone{number}")
+        saved = [r for r in conversion_report(clone) if r.direction == "save"]
+        assert saved and {r.registered_as for r in saved} == {"qwen2_moe"}

@@ -4,6 +4,7 @@ sub-model's prefix, like Transformers' ``get_model_conversion_mapping``) and the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..lazy_imports import pretrained_model_class
 from ..patching.provenance import build_record
@@ -11,7 +12,7 @@ from . import registry
 from .errors import ConversionError
 from .overlap import drop_replaced_builtins, has_target_layout, overlaps
 from .rules import original_patterns, rule_layout
-from .state import get_state
+from .state import get_state, owner_by_id, owner_by_rule
 
 __all__ = [
     "ResolvedRules",
@@ -40,6 +41,12 @@ class ResolvedRules:
     @property
     def strict(self) -> bool:
         return any(ruleset.strict for ruleset, _, _ in self.entries)
+
+    def __getstate__(self) -> dict[str, Any]:  # ids do not survive a copy: see ConversionState
+        return {**vars(self), "owner": owner_by_rule(self.owner, self.rules)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update({**state, "owner": owner_by_id(state["owner"])})
 
 
 def _submodels(model):

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ConversionState", "STATE_ATTR", "get_state", "set_state", "add_state_listener"]
+__all__ = [
+    "ConversionState",
+    "STATE_ATTR",
+    "get_state",
+    "set_state",
+    "add_state_listener",
+    "owner_by_rule",
+    "owner_by_id",
+]
 
 STATE_ATTR = "_modelpatch_conversion"
 
@@ -25,6 +33,31 @@ class ConversionState:
     load_rows: list = field(default_factory=list)
     save_rows: list = field(default_factory=list)
     also_loads: list = field(default_factory=list)
+
+    # ``owner`` is keyed by id(rule), which a copy.deepcopy or pickle of the model does not keep: the state travels
+    # with (rule, name) pairs and takes the new ids on arrival
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), "owner": owner_by_rule(self.owner, [*self.rules, *self.also_loads])}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update({**state, "owner": owner_by_id(state["owner"])})
+
+
+def owner_by_rule(owner: dict[int, Any], rules: Iterable) -> list[tuple[Any, Any]]:
+    """``[(rule, name)]`` for each rule of ``rules`` that ``owner`` (``{id(rule): name}``) names: a form that a
+    ``copy.deepcopy`` or ``pickle`` carrying the rules along keeps valid (ids are not). See :func:`owner_by_id`."""
+    seen: set[int] = set()
+    pairs = []
+    for rule in rules:
+        if id(rule) in owner and id(rule) not in seen:
+            seen.add(id(rule))
+            pairs.append((rule, owner[id(rule)]))
+    return pairs
+
+
+def owner_by_id(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
+    """The ``{id(rule): name}`` table back from :func:`owner_by_rule`'s pairs."""
+    return {id(rule): name for rule, name in pairs}
 
 
 def get_state(model) -> ConversionState | None:
