@@ -309,3 +309,199 @@ def test_set_context_is_reset_in_its_place_among_the_other_entries():
         assert _LEVEL.get() == 3
     assert log == [("last pushed", 3), ("first pushed", 0)]
     assert _LEVEL.get() == 0
+
+
+# -- nn.Module: the kind of attribute and the order of its tables -------------------------------------------------
+
+
+def _tables(module):
+    """Where each name lives, in order: what parameters() / buffers() / children() / state_dict() follow."""
+    return (
+        list(module._parameters),
+        list(module._buffers),
+        sorted(module._non_persistent_buffers_set),
+        list(module._modules),
+    )
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ("plain", "module"),
+        ("plain", "parameter"),
+        ("buffer", "parameter"),
+        ("persistent buffer", "module"),
+        ("module", "parameter"),
+        ("parameter", "absent"),
+        ("buffer", "absent"),
+        ("module", "absent"),
+        ("absent", "parameter"),
+        ("absent", "module"),
+    ],
+)
+def test_undo_of_a_module_attribute_that_changes_kind_puts_it_back_in_its_table_at_its_place(before, after):
+    module = nn.Module()
+    module.first = nn.Parameter(torch.zeros(1))
+    module.register_buffer("b0", torch.zeros(1))
+    module.child0 = nn.Linear(1, 1)
+    values = {
+        "plain": 3,
+        "parameter": nn.Parameter(torch.ones(2)),
+        "buffer": torch.full((2,), 5.0),
+        "persistent buffer": torch.full((2,), 6.0),
+        "module": nn.Linear(2, 2),
+    }
+    if before == "buffer":
+        module.register_buffer("x", values[before], persistent=False)
+    elif before == "persistent buffer":
+        module.register_buffer("x", values[before])
+    elif before != "absent":
+        module.x = values[before]
+    module.last = nn.Parameter(torch.zeros(1))  # after x: x's position must come back, not the end
+    module.register_buffer("b1", torch.zeros(1))
+    module.child1 = nn.Linear(1, 1)
+    tables, state = _tables(module), list(module.state_dict())
+    undo = UndoStack()
+    if after == "absent":
+        undo.delattr(module, "x")
+    else:
+        undo.setattr(module, "x", values[after] if after != "parameter" else nn.Parameter(torch.ones(3)))
+    assert _tables(module) != tables
+    undo.undo()
+    assert _tables(module) == tables and list(module.state_dict()) == state
+    if before == "absent":
+        assert not hasattr(module, "x") and "x" not in vars(module)
+    else:
+        assert module.x is values[before]
+        assert ("x" in vars(module)) == (before == "plain")
+    assert len(undo) == 0
+
+
+def test_undo_of_delattr_keeps_the_order_of_parameters_and_children():
+    linear = nn.Linear(2, 2)
+    sequential = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    children = list(sequential.children())
+    with UndoStack() as undo:
+        undo.delattr(linear, "weight")
+        undo.delattr(sequential, "0")
+        undo.delattr(sequential, "1")
+        assert list(dict(linear.named_parameters())) == ["bias"] and list(sequential._modules) == ["2"]
+    assert list(dict(linear.named_parameters())) == ["weight", "bias"]
+    assert list(sequential.children()) == children and list(sequential.state_dict()) == [
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    ]
+
+
+def test_undo_of_delitem_and_of_a_readded_key_keeps_the_dict_order():
+    table = {"a": 1, "b": 2, "c": 3}
+    with UndoStack() as undo:
+        undo.delitem(table, "a")
+        undo.setitem(table, "a", 10)  # re-added at the end: undo deletes it, then puts "a" back first
+        undo.delitem(table, "b")
+        undo.setitem(table, "c", 30)
+        assert list(table.items()) == [("c", 30), ("a", 10)]
+    assert list(table.items()) == [("a", 1), ("b", 2), ("c", 3)]
+    with UndoStack() as undo:
+        undo.setitem(table, "b", 20)
+        del table["b"]  # deleted behind the stack's back: undo puts the old value back at its position
+    assert list(table.items()) == [("a", 1), ("b", 2), ("c", 3)]
+
+
+def test_undo_of_an_attribute_the_user_deleted_already_is_a_no_op():
+    class Holder:
+        inherited = 0
+
+    holder = Holder()
+    module = nn.Linear(2, 2)
+    undo = UndoStack()
+    undo.setattr(holder, "inherited", 1)  # previous: ABSENT (only the class's)
+    undo.setattr(holder, "added", 2)
+    undo.setattr(module, "extra", nn.Parameter(torch.ones(1)))
+    del holder.inherited, holder.added, module.extra
+    undo.undo()
+    assert holder.inherited == 0 and "inherited" not in vars(holder) and not hasattr(holder, "added")
+    assert list(module._parameters) == ["weight", "bias"] and len(undo) == 0
+
+
+# -- undo runs what callbacks push while it runs ------------------------------------------------------------------
+
+
+def test_a_change_pushed_by_a_callback_during_undo_is_undone_too():
+    class Holder:
+        x = 0
+
+    holder = Holder()
+    undo = UndoStack()
+    undo.callback(lambda: undo.setattr(holder, "x", 7))
+    undo.callback(lambda: undo.callback(lambda: undo.setitem(vars(holder), "y", 8)))  # two rounds deep
+    undo.undo()
+    assert holder.x == 0 and "x" not in vars(holder) and "y" not in vars(holder) and len(undo) == 0
+
+
+def test_a_callback_that_pushes_at_every_undo_round_is_stopped_with_a_clear_error():
+    from modelpatch.errors import ModelpatchRuntimeError
+    from modelpatch.undo import MAX_UNDO_ROUNDS
+
+    rounds = []
+    undo = UndoStack()
+
+    def again():
+        rounds.append(1)
+        undo.callback(again)
+
+    undo.callback(again)
+    with pytest.raises(ModelpatchRuntimeError, match=r"after 100 rounds of undo .*1 entries are left on the stack"):
+        undo.undo()
+    assert MAX_UNDO_ROUNDS == 100 and len(rounds) == 100 and len(undo) == 1
+
+
+# -- set_context from another thread ------------------------------------------------------------------------------
+
+
+def test_set_context_undone_in_another_thread_names_the_variable_and_the_rest_is_undone():
+    from modelpatch.errors import ModelpatchRuntimeError
+
+    table = {"a": 1}
+    undo = UndoStack()
+    undo.setitem(table, "a", 2)
+    undo.set_context(_LEVEL, 4)
+    undo.setitem(table, "b", 3)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            undo.undo()
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    try:
+        assert len(errors) == 1 and type(errors[0]) is ModelpatchRuntimeError
+        message = str(errors[0])
+        assert "context variable '_LEVEL'" in message and "must be reset (undone) in the context that set it" in message
+        assert isinstance(errors[0].__cause__, ValueError)
+        assert table == {"a": 1} and len(undo) == 0  # every other entry undone
+        assert _LEVEL.get() == 4  # still set here: only this context can reset it
+    finally:
+        _LEVEL.set(0)
+    holder: list[int] = []
+    manager = context_set(_LEVEL, 9)
+    manager.__enter__()
+    thread = threading.Thread(target=lambda: holder.append(_try_exit(manager)))
+    thread.start()
+    thread.join()
+    _LEVEL.set(0)
+    assert holder == ["ModelpatchRuntimeError: '_LEVEL'"]
+
+
+def _try_exit(manager) -> str:
+    try:
+        manager.__exit__(None, None, None)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return f"{type(error).__name__}: {str(error).split()[5]}"
+    return "ok"

@@ -23,15 +23,18 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from .errors import ModelpatchTypeError
+from .errors import ModelpatchRuntimeError, ModelpatchTypeError
 
 __all__ = ["ABSENT", "UndoStack", "context_set"]
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+# undo() runs again what callbacks pushed while it ran; a callback that pushes at every round never ends
+MAX_UNDO_ROUNDS = 100
 
 
 class _Absent:
@@ -64,7 +67,14 @@ class UndoStack:
             undo.setitem(config.__dict__, "use_cache", False)
 
     Every method records the previous state *before* changing anything, so a change that raises leaves
-    nothing to undo for it. The stack is thread-safe; it can be undone once, then reused.
+    nothing to undo for it. Undo puts every value back where it was: the same position in a dict (and in an
+    ``nn.Module``'s tables, whose order is the order of ``parameters()`` / ``state_dict()``), the same table of a
+    module (parameter, buffer, persistent or not, submodule, plain attribute), or absent.
+
+    Thread safety: changes may be pushed from several threads at once, and :meth:`undo` may run in any thread,
+    with one limit: an entry of :meth:`set_context` must be undone in the context (thread / asyncio task) that set
+    it, as ``ContextVar.reset`` requires; undone elsewhere it raises :class:`~modelpatch.errors.ModelpatchRuntimeError`
+    naming the variable (after every other entry has been undone). The stack can be undone, then reused.
     """
 
     def __init__(self) -> None:
@@ -88,6 +98,10 @@ class UndoStack:
         ``PretrainedConfig.num_labels``) is read with ``getattr`` and undone by setting the previous value back
         through the descriptor.
 
+        On an ``nn.Module`` the value may change kind (a buffer replaced by a parameter, a plain attribute by a
+        submodule): undo puts the previous value back in the table that held it, at its position, and takes the
+        name out of the others.
+
         Raises:
             AttributeError: ``name`` is a data descriptor whose current value cannot be read (nothing is set).
         """
@@ -96,11 +110,8 @@ class UndoStack:
             _raw_set(target, name, value)
             kind = "raw"
         else:
-            previous = _own_value(target, name)
-            if previous is ABSENT and _is_data_descriptor(target, name):
-                previous = _descriptor_value(target, name)
+            kind, previous = _record_own(target, name)
             setattr(target, name, value)
-            kind = "attr"
         with self._lock:
             self._changes.append((kind, target, name, previous))
 
@@ -125,7 +136,8 @@ class UndoStack:
                 self._changes.extend(batch)
 
     def delattr(self, target: object, name: str, *, raw: bool = False) -> None:
-        """Delete ``target.name`` (which must exist); undo sets it back.
+        """Delete ``target.name`` (which must exist); undo sets it back (an ``nn.Module``'s parameter, buffer or
+        submodule at its position in its table).
 
         Raises:
             AttributeError: ``target`` has no such own attribute (``raw=True``: none in ``vars(target)``).
@@ -137,28 +149,30 @@ class UndoStack:
             _raw_del(target, name)
             kind = "raw"
         else:
-            previous = _own_value(target, name)
-            if previous is ABSENT:
+            if _own_value(target, name) is ABSENT:
                 raise AttributeError(f"{type(target).__name__!r} object has no own attribute {name!r} to delete")
+            kind, previous = _record_own(target, name)
             delattr(target, name)
-            kind = "attr"
         with self._lock:
             self._changes.append((kind, target, name, previous))
 
     def setitem(self, mapping: MutableMapping[_K, _V], key: _K, value: _V) -> None:
-        """Set ``mapping[key] = value``; undo restores the previous value or deletes the key."""
+        """Set ``mapping[key] = value``; undo restores the previous value (at its position in the mapping's order,
+        should the key have been deleted meanwhile) or deletes the key."""
         previous = mapping.get(key, ABSENT)
+        index = None if previous is ABSENT else _index(mapping, key)
         mapping[key] = value
         with self._lock:
-            self._changes.append(("item", mapping, key, previous))
+            self._changes.append(("item", mapping, key, (previous, index)))
 
     def delitem(self, mapping: MutableMapping[_K, Any], key: _K) -> None:
-        """Delete ``mapping[key]`` if present; undo sets it back."""
+        """Delete ``mapping[key]`` if present; undo sets it back at its position in the mapping's order."""
         if key not in mapping:
             return
+        index = _index(mapping, key)
         previous = mapping.pop(key)
         with self._lock:
-            self._changes.append(("item", mapping, key, previous))
+            self._changes.append(("item", mapping, key, (previous, index)))
 
     def callback(self, fn: _F, /, *args: Any, **kwargs: Any) -> _F:
         """Call ``fn(*args, **kwargs)`` when the stack is undone, in its place among the other entries (the last
@@ -169,8 +183,13 @@ class UndoStack:
 
     def set_context(self, var: ContextVar[_V], value: _V) -> None:
         """Set the context variable ``var`` to ``value`` now (this thread / asyncio task) and reset it to what it held
-        before at undo, in its place among the other entries (``var.set`` then ``var.reset(token)``)."""
-        self.callback(var.reset, var.set(value))
+        before at undo, in its place among the other entries (``var.set`` then ``var.reset(token)``).
+
+        The reset must run in the same context (thread / asyncio task) as this call: a ``ContextVar`` token cannot be
+        used in another one. Undone elsewhere, this entry raises :class:`~modelpatch.errors.ModelpatchRuntimeError`
+        naming ``var`` (the variable keeps ``value`` in this context); the other entries are undone all the same.
+        """
+        self.callback(_reset_context, var, var.set(value))
 
     def enter_context(self, manager: Any) -> Any:
         """Enter the context manager ``manager`` now and exit it at undo, in its place among the other entries (as
@@ -216,14 +235,14 @@ class UndoStack:
         original = vars(owner).get(name, ABSENT) if raw else getattr(owner, name, ABSENT)
         if original is ABSENT:
             raise AttributeError(f"{_describe(owner)} has no attribute {name!r} to wrap")
-        own = original if raw else _own_value(owner, name)
+        own = ("raw", original) if raw else _record_own(owner, name)
         installed = factory(original) if factory is not None else wrapper
         if raw:
             _raw_set(owner, name, installed)
         else:
             setattr(owner, name, installed)
         with self._lock:
-            self._changes.append(("wrap", owner, name, (installed, own, raw)))
+            self._changes.append(("wrap", owner, name, (installed, own)))
         return original
 
     # -- undo ------------------------------------------------------------------------------------------
@@ -233,16 +252,34 @@ class UndoStack:
     def undo(self) -> None:
         """Restore every change and run every callback in reverse order; the stack is empty afterwards.
 
-        Every entry is undone even if one of them raises; the first error is raised at the end.
+        Every entry is undone even if one of them raises; the first error is raised at the end. What a callback
+        pushes while undo runs is undone too (after the entries already there), round after round until the stack is
+        empty.
+
+        Raises:
+            ModelpatchRuntimeError: callbacks still push entries after ``MAX_UNDO_ROUNDS`` (100) rounds; the entries
+                left are kept on the stack, not run. Also raised by a :meth:`set_context` entry undone in another
+                context.
         """
-        with self._lock:
-            changes, self._changes = self._changes, []
         error: BaseException | None = None
-        for kind, target, name, previous in reversed(changes):
-            try:
-                _restore(kind, target, name, previous)
-            except BaseException as exc:  # noqa: BLE001 - keep undoing the rest; the first error is raised below
-                error = error or exc
+        for _ in range(MAX_UNDO_ROUNDS):
+            with self._lock:
+                changes, self._changes = self._changes, []
+            if not changes:
+                break
+            for kind, target, name, previous in reversed(changes):
+                try:
+                    _restore(kind, target, name, previous)
+                except BaseException as exc:  # noqa: BLE001 - keep undoing the rest; the first error is raised below
+                    error = error or exc
+        else:
+            with self._lock:
+                left = len(self._changes)
+            if left:
+                error = error or ModelpatchRuntimeError(
+                    f"UndoStack.undo: callbacks still pushed changes after {MAX_UNDO_ROUNDS} rounds of undo (a callback "
+                    f"that pushes a change at every undo?); {left} entries are left on the stack, not undone"
+                )
         if error is not None:
             raise error
 
@@ -266,12 +303,110 @@ class UndoStack:
 def context_set(var: ContextVar[_V], value: _V) -> Iterator[_V]:
     """``with context_set(var, value):`` the context variable ``var`` holds ``value`` inside the block, in this thread
     / asyncio task only; on any exit it is reset to what it held before (``ContextVar.reset`` with the token of the
-    ``set``). Yields ``value``."""
+    ``set``). Yields ``value``.
+
+    The block must be entered and exited in the same context (thread / asyncio task): a ``ContextVar`` token cannot be
+    reset in another one.
+
+    Raises:
+        ModelpatchRuntimeError: the block is exited in another context than the one that entered it (names ``var``).
+    """
     token = var.set(value)
     try:
         yield value
     finally:
+        _reset_context(var, token)
+
+
+def _reset_context(var: ContextVar[Any], token: Any) -> None:
+    try:
         var.reset(token)
+    except ValueError as error:  # "<Token ...> was created in a different Context": a token is bound to its context
+        raise ModelpatchRuntimeError(
+            f"cannot reset the context variable {var.name!r} here: it was set in another context (thread / asyncio "
+            f"task), and must be reset (undone) in the context that set it ({error})"
+        ) from error
+
+
+# nn.Module keeps parameters, buffers and submodules in three tables outside the attribute dict. undo.py is at the
+# bottom layer and does not import torch: a module is recognised by these tables (duck typing).
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+class _Slot(NamedTuple):
+    """Where a module held an attribute: its value, the table ("__dict__" or one of ``_MODULE_TABLES``), the position
+    in that table and, for a buffer, whether it was persistent (not in ``_non_persistent_buffers_set``)."""
+
+    value: object
+    table: str
+    position: int
+    persistent: bool
+
+
+def _is_module(target: object) -> bool:
+    own = getattr(target, "__dict__", None)
+    return (
+        not isinstance(target, type)
+        and isinstance(own, dict)
+        and all(isinstance(own.get(table), dict) for table in _MODULE_TABLES)
+    )
+
+
+def _module_table(target: object, table: str) -> dict[str, Any]:
+    own: dict[str, Any] = vars(target)
+    return own if table == "__dict__" else own[table]
+
+
+def _module_slot(target: object, name: str) -> _Slot | Any:
+    """Where the module ``target`` holds ``name`` now (looked up as ``nn.Module`` does: its dict first), or ABSENT."""
+    for table in ("__dict__", *_MODULE_TABLES):
+        values = _module_table(target, table)
+        if name in values:
+            persistent = name not in vars(target).get("_non_persistent_buffers_set", ())
+            return _Slot(values[name], table, _index(values, name), table != "_buffers" or persistent)
+    return ABSENT
+
+
+def _restore_module(target: object, name: str, previous: _Slot | Any) -> None:
+    """Put ``previous`` back in its table at its position and take ``name`` out of every other table (all of them
+    when it was absent, which is a no-op when it still is)."""
+    for table in ("__dict__", *_MODULE_TABLES):
+        if previous is ABSENT or table != previous.table:
+            _module_table(target, table).pop(name, None)
+    non_persistent = vars(target).get("_non_persistent_buffers_set")
+    if isinstance(non_persistent, set):
+        if previous is not ABSENT and previous.table == "_buffers" and not previous.persistent:
+            non_persistent.add(name)
+        else:
+            non_persistent.discard(name)
+    if previous is not ABSENT:
+        _insert_at(_module_table(target, previous.table), name, previous.value, previous.position)
+
+
+def _record_own(target: object, name: str) -> tuple[str, object]:
+    """The kind of entry and the previous state to record before ``setattr`` / ``delattr`` (not raw) of ``name``."""
+    if name != "__class__" and _is_module(target) and not _is_data_descriptor(target, name):
+        return "module", _module_slot(target, name)
+    previous = _own_value(target, name)
+    if previous is ABSENT and _is_data_descriptor(target, name):
+        previous = _descriptor_value(target, name)
+    return "attr", previous
+
+
+def _index(mapping: MutableMapping[Any, Any], key: object) -> int:
+    return list(mapping).index(key)
+
+
+def _insert_at(mapping: MutableMapping[Any, Any], key: object, value: object, index: int | None) -> None:
+    """``mapping[key] = value``, with a key that is not there inserted at position ``index`` of the mapping's order
+    (the keys after it are taken out and put back after it)."""
+    if key in mapping or index is None or index >= len(mapping):
+        mapping[key] = value
+        return
+    after = [(other, mapping.pop(other)) for other in list(mapping)[index:]]
+    mapping[key] = value
+    for other, other_value in after:
+        mapping[other] = other_value
 
 
 def _own_value(target: object, name: str) -> object:
@@ -336,16 +471,19 @@ def _restore(kind: str, target: Any, name: Any, previous: Any) -> None:
     if kind == "call":
         target(*name, **previous)
     elif kind == "wrap":
-        installed, own, raw = previous
-        current = vars(target).get(name, ABSENT) if raw else _own_value(target, name)
+        installed, (own_kind, own) = previous
+        current = vars(target).get(name, ABSENT) if own_kind == "raw" else _own_value(target, name)
         if current is not installed:  # another wrapper on top (or already restored): leave it, see wrap()
             return
-        _restore("raw" if raw else "attr", target, name, own)
+        _restore(own_kind, target, name, own)
+    elif kind == "module":
+        _restore_module(target, name, previous)
     elif kind == "item":
-        if previous is ABSENT:
+        value, index = previous
+        if value is ABSENT:
             target.pop(name, None)
         else:
-            target[name] = previous
+            _insert_at(target, name, value, index)
     elif kind == "raw":
         if previous is ABSENT:
             if name in vars(target):
@@ -353,7 +491,7 @@ def _restore(kind: str, target: Any, name: Any, previous: Any) -> None:
         else:
             _raw_set(target, name, previous)
     elif previous is ABSENT:
-        if hasattr(target, name):
+        if _own_value(target, name) is not ABSENT:  # deleted meanwhile (or only inherited): absent already
             delattr(target, name)
     else:
         setattr(target, name, previous)

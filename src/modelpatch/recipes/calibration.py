@@ -2,4 +2,5 @@
 
 from ..deprecation import alias
 
-__getattr__ = alias(__name__)
+__getattr__, __dir__ = alias(__name__)  # __all__ too, on first use: the names of the new modules
+del alias
