@@ -250,6 +250,7 @@ def test_run_train_check_refuses_bad_settings_before_training(checkpoints):
         ({"steps": 0}, "--steps: must be an integer >= 1, got 0"),
         ({"tokens": 0}, "--tokens: must be an integer >= 1, got 0"),
         ({"lr": float("inf")}, "--lr: must be a finite number > 0, got inf"),
+        ({"tokens": 1}, "--tokens: a causal LM's loss with labels=input_ids needs at least 2 tokens per step"),
     ]:
         with pytest.raises(CliError, match=message.replace("(", r"\(")):
             run_train_check(reference, patched, **kwargs)
@@ -276,3 +277,21 @@ def test_steps_that_move_nothing_are_not_a_pass(checkpoints, capsys):
     assert training["diverged"] == [] and training["max_moved"] <= training["bound"] == 1e-6
     detail = next(c["detail"] for c in report["checks"] if c["name"] == "training")
     assert "no weight moved more than the bound 1e-06" in detail and "raise --lr or --steps" in detail
+
+
+NAN_IN_TRAINING = TRAINING_ONLY_SCALE.replace("out * 1.01", "out * float('nan')")
+
+
+def test_a_loss_that_is_not_finite_fails_the_training_check(checkpoints, tmp_path, capsys):
+    """A NaN loss has no gradient to compare: with weight decay moving the weights alike in both runs, the check
+    passed ("largest judged difference 0") on NaN losses. It fails, naming the run and the step."""
+    patches = tmp_path / "nan.py"
+    patches.write_text(NAN_IN_TRAINING)
+    path = checkpoints["llama-fused-qkv"]
+    code, report = run_json(capsys, ["verify", "--model", path, "--patches", str(patches), "--train"])
+    assert code == 1
+    training = report["training"]
+    assert training["ok"] is False and training["nonfinite_loss"][:2] == ["patched", 1]
+    assert all(v == v for v in training["losses"]["unpatched"])  # finite: the unpatched run is fine
+    detail = next(c["detail"] for c in report["checks"] if c["name"] == "training")
+    assert detail.startswith("the patched model's loss is nan at step 1 of 3 adamw step(s): no gradient to compare")

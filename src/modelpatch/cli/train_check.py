@@ -270,9 +270,20 @@ class TrainResult:
         return self.max_moved > self.bound
 
     @property
+    def nonfinite_loss(self) -> tuple[str, int, float] | None:
+        """``(run, step, loss)`` of the first loss that is not finite (NaN or inf: no gradient to compare), or
+        ``None``."""
+        for label in ("unpatched", "patched"):
+            for step, value in enumerate(self.losses.get(label, ()), start=1):
+                if not math.isfinite(value):
+                    return label, step, value
+        return None
+
+    @property
     def ok(self) -> bool:
         return (
-            not self.diverged
+            self.nonfinite_loss is None
+            and not self.diverged
             and not self.only_patched
             and not self.only_unpatched
             and not self.missing_grads
@@ -282,6 +293,7 @@ class TrainResult:
     def as_dict(self) -> dict:
         return {
             "ok": self.ok,
+            "nonfinite_loss": list(self.nonfinite_loss) if self.nonfinite_loss is not None else None,
             "optimizer": self.optimizer,
             "lr": self.lr,
             "settings": self.settings,
@@ -614,6 +626,11 @@ def run_train_check(
     result.bound64 = spec.bound64(lr)
     batches, result.batch = _batches(reference, steps, tokens, seed)
     kind = _loss_kind(reference, batches[0])
+    if kind == "labels" and tokens < 2 and type(reference).__name__.endswith("ForCausalLM"):
+        raise CliError(
+            f"--tokens: a causal LM's loss with labels=input_ids needs at least 2 tokens per step (the first token has "
+            f"no target), got {tokens}"
+        )
     result.loss_kind = (
         "the model's loss with labels=input_ids" if kind == "labels" else "mean square of the logits/last hidden state"
     )

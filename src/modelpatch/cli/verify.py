@@ -574,6 +574,13 @@ def _training_checks(trained: TrainResult | None) -> list[Check]:
             f"{trained.only_patched[:3]}"
         )
         training = Check("training", False, detail)
+    elif trained.nonfinite_loss is not None:
+        label, step, value = trained.nonfinite_loss
+        training = Check(
+            "training",
+            False,
+            f"the {label} model's loss is {value} at step {step} of {run}: no gradient to compare ({trained.loss_kind})",
+        )
     elif trained.diverged:
         worst = trained.diverged[0]
         training = Check(
