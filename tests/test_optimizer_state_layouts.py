@@ -18,6 +18,7 @@ patched run's ``optimizer.pt`` is the unpatched run's within 5.1e-08.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -404,6 +405,82 @@ def test_trainer_keeps_adafactor_state_in_the_model_layout_with_a_warning(bases,
     assert len(messages) == 1 and "model.layers.0.self_attn.qkv_proj.weight" in messages[0]
     _assert_same_state(_optimizer_file(tmp_path), trainer.optimizer.state_dict())
     assert "state_dict" not in vars(trainer.optimizer)
+
+
+def test_unpatched_trainer_refuses_a_patched_runs_adafactor_state_before_loading(bases, tmp_path):
+    # trial: torch's bare "ValueError: loaded state dict contains a parameter group that doesn't match the size of
+    # optimizer's group" under the load wrapper, although modelpatch had warned at save time
+    def run(patched: bool) -> Trainer:
+        data = [{"input_ids": b["input_ids"][0], "labels": b["input_ids"][0]} for b in _batches()]
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "run"),
+            max_steps=2,
+            save_steps=2,
+            per_device_train_batch_size=1,
+            learning_rate=1e-2,
+            weight_decay=0.1,
+            optim="adafactor",
+            use_cpu=True,
+            report_to=[],
+            logging_steps=100,
+            seed=0,
+            disable_tqdm=True,
+        )
+        return Trainer(model=_load("qwen2_moe", bases["qwen2_moe"], patched), args=args, train_dataset=data)
+
+    run(True).train()
+    checkpoint = tmp_path / "run/checkpoint-2"
+    assert json.loads((checkpoint / trainer_integration.LAYOUT_FILE).read_text()) == {
+        "layout": "model",
+        "model": "Qwen2MoeForCausalLM",
+        "rules": ["qwen2_moe"],
+        "param_groups": [44, 11],  # decay: 2 layers x 4 experts x 3 Linears + 20 others; no decay: biases, norms
+    }
+    resumed = run(False)
+    with pytest.raises(OptimizerStateError) as caught:
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert str(caught.value) == (
+        f"resume_from_checkpoint={str(checkpoint)!r}: optimizer.pt holds the own layout of a patched "
+        "Qwen2MoeForCausalLM (conversion rule set(s) 'qwen2_moe'), kept there because its state could not be "
+        "converted to the original layout (modelpatch warned when it was saved), param groups of [44, 11] "
+        "parameters; this Qwen2MoeForCausalLM is unpatched (the original layout), param groups of [24, 11] "
+        "parameters: param group 0 has 44 parameters in the checkpoint, 24 here. Resume with the recipe (patch) the "
+        "run was trained with, as the save-time warning said; a new run can start from the checkpoint's "
+        "model.safetensors (original layout), which from_pretrained loads with or without a patch. Nothing was "
+        "loaded into the optimizer or the scheduler."
+    )
+    # nothing loaded: no optimizer state, the optimizer's groups as built, the scheduler at its start; no stand-in
+    assert resumed.optimizer.state_dict()["state"] == {}
+    assert [len(g["params"]) for g in resumed.optimizer.param_groups] == [24, 11]
+    assert resumed.lr_scheduler.last_epoch == 0
+    assert "load_state_dict" not in vars(resumed.optimizer)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_unpatched_trainer_refuses_own_layout_state_of_any_optimizer(bases, tmp_path, optimizer):
+    # SGD / Adam / AdamW state is written in the original layout, unless it cannot be converted (then in the
+    # model's own, as Adafactor's): an own-layout optimizer.pt without modelpatch's layout file is refused the same way
+    patched = _load("llama", bases["llama"], True)
+    source = OPTIMIZERS[optimizer](_groups(patched))
+    _step_synthetic(patched, source, steps=1)
+    torch.save(source.state_dict(), tmp_path / "optimizer.pt")
+    unpatched = _load("llama", bases["llama"], False)
+    trainer = _trainer(unpatched, tmp_path / "out")
+    trainer.optimizer = OPTIMIZERS[optimizer](_groups(unpatched))
+    trainer.create_scheduler(num_training_steps=4, optimizer=trainer.optimizer)
+    torch.save(trainer.lr_scheduler.state_dict(), tmp_path / "scheduler.pt")
+    with pytest.raises(OptimizerStateError) as caught:
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
+    assert str(caught.value) == (
+        f"resume_from_checkpoint={str(tmp_path)!r}: optimizer.pt holds a layout other than this model's, param groups "
+        "of [12, 5] parameters; this LlamaForCausalLM is unpatched (the original layout), param groups of [16, 5] "
+        "parameters: param group 0 has 12 parameters in the checkpoint, 16 here. Resume with the recipe (patch) the "
+        "run was trained with, as the save-time warning said; a new run can start from the checkpoint's "
+        "model.safetensors (original layout), which from_pretrained loads with or without a patch. Nothing was "
+        "loaded into the optimizer or the scheduler."
+    )
+    assert trainer.optimizer.state_dict()["state"] == {}
+    assert "load_state_dict" not in vars(trainer.optimizer)
 
 
 def test_trainer_integration_uninstalls_exactly():

@@ -273,12 +273,55 @@ def test_model_with_adapters_loaded_through_transformers_is_refused():
         iter_original_state_dict(plain)
 
 
-def test_wrapped_modules_warn_once_per_iteration(checkpoints, caplog):
+_WHERE = "Qwen2MoeForCausalLM in the original layout (save_pretrained, iter_original_state_dict): "
+_QKV = "model.layers.{}.self_attn.qkv_proj"
+_MERGE_FIRST = (
+    "Merge the adapters first (merge_adapter() or merge_and_unload()) to save merged weights, or save the adapter "
+    "itself."
+)
+# merged layers -> (level, exact message or None)
+_WRAPPER_MESSAGES = {
+    (): (
+        logging.WARNING,
+        f"{_WHERE}2 wrapped module(s) (e.g. by PEFT) hold adapters that are not merged (e.g. '{_QKV.format(0)}'); "
+        f"saving their base weights in the original layout without the 4 adapter tensor(s) (e.g. "
+        f"'{_QKV.format(0)}.lora_A.default.weight'). {_MERGE_FIRST}",
+    ),
+    (0, 1): (
+        logging.INFO,
+        f"{_WHERE}the adapters of the 2 wrapped module(s) (e.g. by PEFT) are merged: the base weights saved in the "
+        f"original layout include them (4 adapter tensor(s) left out, e.g. '{_QKV.format(0)}.lora_A.default.weight').",
+    ),
+    (0,): (
+        logging.WARNING,
+        f"{_WHERE}1 wrapped module(s) (e.g. by PEFT) hold adapters that are not merged (e.g. '{_QKV.format(1)}'); "
+        f"saving their base weights in the original layout without the 2 adapter tensor(s) (e.g. "
+        f"'{_QKV.format(1)}.lora_A.default.weight'). {_MERGE_FIRST} The adapters of the other 1 wrapped module(s) "
+        "are merged: their saved base weights include them.",
+    ),
+}
+
+
+@pytest.mark.parametrize("merged_layers", _WRAPPER_MESSAGES, ids=["unmerged", "merged", "mixed"])
+def test_wrapped_modules_say_whether_their_adapters_are_merged(checkpoints, caplog, merged_layers):
+    # trial: merge_adapter() then iter_original_state_dict warned "Merge the adapters first" about merged adapters
     model = _lora("qwen2_moe", "qwen2_moe-full-example", ["qkv_proj"])(checkpoints)
-    with caplog.at_level(logging.WARNING, logger="modelpatch.conversion"):
-        streamed = dict(iter_original_state_dict(model))
-    assert caplog.text.count("without the 4 adapter tensor(s)") == 1  # lora_A/B of 2 layers' qkv_proj
-    assert not any("lora_" in k or "base_layer" in k for k in streamed)
+    original = load_file(checkpoints["qwen2_moe"] / "model.safetensors")
+    expected = dict(original)
+    for i in merged_layers:
+        layer = model.get_submodule(_QKV.format(i))
+        delta = layer.get_delta_weight("default")  # (192, 64): q, k, v rows of B @ A * scaling
+        for j, proj in enumerate("qkv"):
+            key = f"model.layers.{i}.self_attn.{proj}_proj.weight"
+            expected[key] = original[key] + delta[64 * j : 64 * (j + 1)]
+        layer.merge()
+    level, message = _WRAPPER_MESSAGES[merged_layers]
+    with caplog.at_level(logging.INFO, logger="modelpatch.conversion"):
+        streamed = {k: v.clone() for k, v in iter_original_state_dict(model)}
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "modelpatch.conversion"]
+    assert records == [(level, message)]  # once per iteration
+    _assert_same(streamed, expected)  # merged layers: base + B @ A; the others: the checkpoint's own
+    assert sum(not torch.equal(streamed[k], original[k]) for k in original) == 3 * len(merged_layers)
 
 
 def test_user_group_fed_by_a_builtin_converter_group(tmp_path):

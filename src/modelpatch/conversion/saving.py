@@ -32,7 +32,7 @@ from .quantized import QuantizedSaveError, check_reverse_groups, quantized_param
 from .reference import ReferenceShapes
 from .state import ConversionState, get_state, set_state
 from .streaming import OriginalLayoutIterator, iter_reverted, reversed_user_rules, transformers_conversions
-from .wrappers import unwrapped_names, unwrapped_state_dict, wrapper_bases
+from .wrappers import unmerged_wrappers, unwrapped_names, unwrapped_state_dict, wrapper_bases, wrapper_of
 from .zero3 import check_gathered
 
 logger = logging.get_logger("modelpatch.conversion")
@@ -57,7 +57,9 @@ def original_layout(model, state_dict: dict, *, state: ConversionState | None = 
     user rules: those the model was loaded or built with, else those registered for it whose target layout it has.
     A model that modelpatch reverses and that still holds wrapper modules of a library with a registered view
     (PEFT's LoRA layers, see :mod:`.wrappers`) is reversed without them: the base weights under their own names,
-    adapter weights left out (a warning says how many), so the result is the original base layout.
+    adapter weights left out, so the result is the original base layout: a warning names the wrappers whose adapters
+    are not merged (their adapter tensors are missing from it), an info line says when every wrapper's adapters are
+    merged (PEFT's ``merge_adapter()``: the base weights include them).
 
     ``state``: the conversion state to reverse instead of the model's own (:func:`quantized_original_layout` passes
     one whose recorded shapes also size the quantized components).
@@ -87,14 +89,40 @@ def original_layout(model, state_dict: dict, *, state: ConversionState | None = 
         conversions = transformers_conversions(model)
     if bases:
         state_dict, dropped = unwrapped_state_dict(state_dict, bases)
-        if dropped:
-            logger.warning(
-                f"{type(model).__name__} in the original layout (save_pretrained, iter_original_state_dict): "
-                f"{len(bases)} module(s) are wrapped (e.g. by PEFT); saving their base weights in the original layout without the {len(dropped)} adapter tensor(s) (e.g. "
-                f"'{dropped[0]}'). Merge the adapters first (merge_and_unload()) to save merged weights, or save "
-                "the adapter itself."
-            )
+        _report_wrappers(model, bases, dropped)
     return iter_reverted(model, state_dict, conversions, state)
+
+
+def _report_wrappers(model, bases: dict[str, str], dropped: list[str]) -> None:
+    """Say what the original layout of a model holding wrappers (PEFT) contains: a warning naming the wrappers whose
+    adapters are not merged into their base weights (their adapter tensors are left out), an info line when every
+    wrapper's adapters are merged (the base weights include them)."""
+    if not dropped:
+        return
+    where = f"{type(model).__name__} in the original layout (save_pretrained, iter_original_state_dict): "
+    unmerged = unmerged_wrappers(model, bases)
+    merged = len(bases) - len(unmerged)
+    if not unmerged:
+        logger.info(
+            f"{where}the adapters of the {merged} wrapped module(s) (e.g. by PEFT) are merged: the base weights "
+            f"saved in the original layout include them ({len(dropped)} adapter tensor(s) left out, e.g. "
+            f"'{dropped[0]}')."
+        )
+        return
+    unmerged_set = set(unmerged)
+    left_out = [key for key in dropped if wrapper_of(key, bases) in unmerged_set]
+    example = f" (e.g. '{left_out[0]}')" if left_out else ""
+    mixed = (
+        f" The adapters of the other {merged} wrapped module(s) are merged: their saved base weights include them."
+        if merged
+        else ""
+    )
+    logger.warning(
+        f"{where}{len(unmerged)} wrapped module(s) (e.g. by PEFT) hold adapters that are not merged (e.g. "
+        f"'{unmerged[0]}'); saving their base weights in the original layout without the {len(left_out)} adapter "
+        f"tensor(s){example}. Merge the adapters first (merge_adapter() or merge_and_unload()) to save merged "
+        f"weights, or save the adapter itself.{mixed}"
+    )
 
 
 def revert_to_original_layout(model, state_dict: dict) -> dict:

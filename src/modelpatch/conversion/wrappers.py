@@ -12,11 +12,15 @@ qkv_proj": "base_layer"}``). :func:`unwrapped_state_dict` then gives the state d
 wrappers: keys under a base module lose the relative path, every other key under a wrapper (adapter weights, the
 trained copies of ``modules_to_save``) is left out. Only the outermost wrapper of a nested chain counts (its base
 path already points through the inner ones).
+
+A view may come with a *merge view* (``model -> paths of the wrappers whose adapters are not all merged into their
+base module``): :func:`unmerged_wrappers` then tells the outermost wrappers whose saved base weights lack adapter
+weights the model computes with from those whose base weights already include them (PEFT's ``merge_adapter()``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch.nn as nn
 
@@ -26,6 +30,8 @@ __all__ = [
     "WrapperView",
     "register_wrapper_view",
     "wrapper_bases",
+    "unmerged_wrappers",
+    "wrapper_of",
     "unwrap_key",
     "unwrapped_names",
     "unwrapped_state_dict",
@@ -34,12 +40,19 @@ __all__ = [
 WrapperView = Callable[[nn.Module], Mapping[str, str]]
 """``model -> {wrapper module path: base module path relative to the wrapper}`` (paths as in ``named_modules``)."""
 
+MergeView = Callable[[nn.Module], Collection[str]]
+"""``model -> paths of its wrappers (any depth) holding adapter weights that are not merged into their base module``."""
+
 _VIEWS: dict[str, WrapperView] = {}
+_MERGE_VIEWS: dict[str, MergeView] = {}
 
 
-def register_wrapper_view(name: str, view: WrapperView, undo: UndoStack) -> None:
-    """Register ``view`` under ``name`` (one per library); ``undo.undo()`` removes it again."""
+def register_wrapper_view(name: str, view: WrapperView, undo: UndoStack, *, unmerged: MergeView | None = None) -> None:
+    """Register ``view`` under ``name`` (one per library), and its merge view ``unmerged`` if given (a library
+    without one has every wrapper counted as unmerged); ``undo.undo()`` removes both again."""
     undo.setitem(_VIEWS, name, view)
+    if unmerged is not None:
+        undo.setitem(_MERGE_VIEWS, name, unmerged)
 
 
 def wrapper_bases(model: nn.Module) -> dict[str, str]:
@@ -54,6 +67,27 @@ def wrapper_bases(model: nn.Module) -> dict[str, str]:
             continue
         outer[path] = found[path]
     return outer
+
+
+def unmerged_wrappers(model: nn.Module, bases: Mapping[str, str]) -> list[str]:
+    """The paths among ``bases`` (outermost wrappers, :func:`wrapper_bases`) whose base weights lack adapter weights:
+    a wrapper that is, or holds, a wrapper its library reports as unmerged, or any wrapper of a library without a
+    merge view. Keeps the order of ``bases``."""
+    unmerged: set[str] = set()
+    for name, view in list(_VIEWS.items()):
+        merge_view = _MERGE_VIEWS.get(name)
+        unmerged.update(view(model) if merge_view is None else merge_view(model))
+    return [path for path in bases if any(u == path or path == "" or u.startswith(path + ".") for u in unmerged)]
+
+
+def wrapper_of(key: str, bases: Mapping[str, str]) -> str | None:
+    """The path among ``bases`` of the wrapper holding state-dict ``key`` (the longest matching prefix), else ``None``."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        wrapper = ".".join(parts[:i])
+        if wrapper in bases:
+            return wrapper
+    return None
 
 
 def unwrap_key(key: str, bases: Mapping[str, str]) -> str | None:

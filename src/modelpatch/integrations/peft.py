@@ -33,7 +33,8 @@ adapter rules from the same table and loads through ``convert_and_load_state_dic
 
 The third piece is a wrapper view (:mod:`modelpatch.conversion.wrappers`): PEFT's tuner layers (``base_layer``)
 and auxiliary wrappers (``modules_to_save``: ``original_module``), so that ``save_pretrained`` of a patched base
-model that still holds LoRA layers writes the original base layout.
+model that still holds LoRA layers writes the original base layout; its merge view (:func:`peft_unmerged_wrappers`)
+tells layers whose adapters ``merge_adapter()`` merged into the base weights from those whose adapters are missing.
 
 **Installation.** :func:`install` (called by :func:`modelpatch.apply.transformers.install`, i.e. on import of
 modelpatch) registers the view and, when ``peft.utils.transformers_weight_conversion`` is already imported, wraps its
@@ -69,6 +70,7 @@ __all__ = [
     "TARGET_MODULE",
     "builtin_converters_in_force",
     "peft_wrapper_bases",
+    "peft_unmerged_wrappers",
     "add_adapter",
     "adapter_save_refusal",
     "transformers_adapter_gate",
@@ -182,6 +184,34 @@ def peft_wrapper_bases(model: nn.Module) -> dict[str, str]:
     return found
 
 
+def peft_unmerged_wrappers(model: nn.Module) -> list[str]:
+    """Paths of PEFT's wrappers in ``model`` whose base module lacks adapter weights the model computes with: a tuner
+    layer (``BaseTunerLayer``) with no merged adapter (``merged_adapters`` empty) or with an active adapter it holds
+    (a key of one of its ``adapter_layer_names`` dicts) that is not among ``merged_adapters``; a
+    ``ModulesToSaveWrapper`` (its trained copy is never merged into ``original_module``). Other auxiliary wrappers
+    (``TrainableTokensWrapper``) count by the tuner layers inside them. ``[]`` while PEFT is not imported."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            found.append(name)
+        elif isinstance(module, BaseTunerLayer):
+            held: set[str] = set()
+            for attr in module.adapter_layer_names:
+                adapters = getattr(module, attr, None)
+                if isinstance(adapters, (nn.ModuleDict, nn.ParameterDict)):
+                    held.update(adapters.keys())
+            merged = set(module.merged_adapters)
+            pending = [a for a in module.active_adapters if a in held and a not in merged]
+            if not merged or pending:
+                found.append(name)
+    return found
+
+
 # -- adding an adapter on every Transformers release ----------------------------------------------------------------
 def transformers_adapter_gate() -> tuple[bool, str, str]:
     """``(open, required, installed)``: whether Transformers' adapter methods (``add_adapter``, ``set_adapter``,
@@ -285,7 +315,7 @@ def install() -> None:
     """Register the PEFT wrapper view and wrap PEFT's conversion module now or when it is imported (idempotent)."""
     with _lock:
         if not len(_view):
-            register_wrapper_view("peft", peft_wrapper_bases, _view)
+            register_wrapper_view("peft", peft_wrapper_bases, _view, unmerged=peft_unmerged_wrappers)
         _hook.now_or_on_import()
 
 

@@ -9,10 +9,15 @@ statedict`. This module does the same for ``optimizer.pt``, by wrapping two meth
   (:func:`~modelpatch.conversion.optimizer.original_optimizer_state_dict`): what an unpatched run of the same
   optimizer writes, so an unpatched Trainer resumes from it as from its own. The state is converted before anything
   is written; state that cannot be converted (Adafactor's factored state on a converted parameter) is written in
-  the model's own layout, as without modelpatch, with a warning (the same recipe resumes from it).
+  the model's own layout, as without modelpatch, with a warning (the same recipe resumes from it), and
+  :data:`LAYOUT_FILE` next to it names that layout (model class, conversion rules, param group sizes).
 * ``_load_optimizer_and_scheduler``: for such a model, the state dict read from ``optimizer.pt`` goes through
   :func:`~modelpatch.conversion.optimizer.optimizer_state_dict_in_model_layout` before the optimizer loads it, so
   a checkpoint of an unpatched run (or of a run with the same recipe, in either layout) resumes the patched model.
+  For a model without a layout of its own (unpatched), the state dict's param groups are checked against the
+  optimizer's first (:func:`check_optimizer_checkpoint_layout`): a patched run's own-layout ``optimizer.pt`` is
+  refused with :class:`~modelpatch.conversion.errors.OptimizerStateError` naming both layouts, instead of torch's
+  bare ``ValueError`` about a parameter group's size.
 
 Under FSDP, ``_load_from_checkpoint`` is wrapped too: accelerate's resume files (``pytorch_model_fsdp.bin``,
 ``pytorch_model_fsdp_0/``) hold the trained model's own layout; a model of another layout (another recipe, or
@@ -39,16 +44,27 @@ from types import ModuleType
 
 from transformers.utils import logging
 
+from ..conversion.compose import resolve_model_rules
 from ..conversion.errors import OptimizerStateError, StateDictLayoutError
 from ..conversion.optimizer import (
     carries_own_layout,
     optimizer_state_dict_in_model_layout,
     original_optimizer_state_dict,
 )
+from ..conversion.state import get_state
 from ..lazy_imports import PostImportHook, pretrained_model_class
 from ..undo import UndoStack
 
-__all__ = ["install", "uninstall", "installed", "TARGET_MODULE", "check_fsdp_checkpoint_layout", "fsdp_checkpoint_keys"]
+__all__ = [
+    "install",
+    "uninstall",
+    "installed",
+    "TARGET_MODULE",
+    "LAYOUT_FILE",
+    "check_fsdp_checkpoint_layout",
+    "check_optimizer_checkpoint_layout",
+    "fsdp_checkpoint_keys",
+]
 
 logger = logging.get_logger("modelpatch.integrations.trainer")
 
@@ -59,9 +75,14 @@ _lock = threading.RLock()
 _installed = UndoStack()
 
 
-def _plain(trainer) -> bool:
+LAYOUT_FILE = "modelpatch_optimizer_layout.json"
+"""Written next to ``optimizer.pt`` when it keeps the patched model's own layout: ``{"layout": "model", "model":
+class name, "rules": names of the conversion rules' owners, "param_groups": parameters per group}``."""
+
+
+def _plain(trainer, *, own_layout: bool = True) -> bool:
     """Whether ``trainer`` saves and loads ``optimizer.pt`` with ``torch.save``/``load_state_dict`` of the whole
-    optimizer state dict (no DeepSpeed/FSDP/SageMaker/XLA), and its model has a layout of its own."""
+    optimizer state dict (no DeepSpeed/FSDP/SageMaker/XLA), and (``own_layout``) its model has a layout of its own."""
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
     if is_torch_xla_available() or is_sagemaker_mp_enabled():
@@ -73,10 +94,33 @@ def _plain(trainer) -> bool:
         return False  # e.g. a PeftModel: its adapters keep their own layout
     if getattr(model, "_hf_peft_config_loaded", False):
         return False  # adapters loaded through Transformers (model.load_adapter): likewise
+    if not own_layout:
+        return True
     try:
         return carries_own_layout(model)
     except Exception:  # noqa: BLE001 - a model modelpatch cannot inspect: Transformers' own path
         return False
+
+
+def _rule_names(model) -> list[str]:
+    """Names of the rule sets (registry names) behind ``model``'s own layout, as far as known."""
+    state = get_state(model)
+    owner = state.owner if state is not None else getattr(resolve_model_rules(model), "owner", {})
+    return sorted({str(name) for name in owner.values()})
+
+
+def _layout_file(output_dir, content: dict | None) -> None:
+    """Write :data:`LAYOUT_FILE` in ``output_dir`` (``content``), or remove a stale one (``None``)."""
+    import json
+    import os
+
+    path = os.path.join(output_dir, LAYOUT_FILE)
+    if content is None:
+        if os.path.isfile(path):
+            os.remove(path)
+        return
+    with open(path, "w") as f:
+        json.dump(content, f)
 
 
 def _save_wrapper(original):
@@ -84,6 +128,7 @@ def _save_wrapper(original):
     def _save_optimizer_and_scheduler(self, output_dir, *args, **kwargs):
         if not _plain(self):
             return original(self, output_dir, *args, **kwargs)
+        should_save = getattr(self.args, "should_save", True)
         try:
             state = original_optimizer_state_dict(self.model, self.optimizer)
         except OptimizerStateError as exc:
@@ -91,24 +136,94 @@ def _save_wrapper(original):
                 f"modelpatch: optimizer.pt in {output_dir} keeps the layout of this {type(self.model).__name__} (an "
                 f"unpatched run cannot resume from it; the same recipe can): {exc}"
             )
-            return original(self, output_dir, *args, **kwargs)
+            result = original(self, output_dir, *args, **kwargs)
+            if should_save:
+                _layout_file(
+                    output_dir,
+                    {
+                        "layout": "model",
+                        "model": type(self.model).__name__,
+                        "rules": _rule_names(self.model),
+                        "param_groups": [len(g["params"]) for g in self.optimizer.param_groups],
+                    },
+                )
+            return result
         with UndoStack() as undo:
             undo.setattr(self.optimizer, "state_dict", lambda: state, raw=True)
-            return original(self, output_dir, *args, **kwargs)
+            result = original(self, output_dir, *args, **kwargs)
+        if should_save:
+            _layout_file(output_dir, None)
+        return result
 
     return _save_optimizer_and_scheduler
+
+
+def check_optimizer_checkpoint_layout(model, optimizer, state_dict: dict, checkpoint) -> None:
+    """Refuse to load ``state_dict`` (read from ``optimizer.pt`` of the Trainer checkpoint ``checkpoint``) into
+    ``optimizer`` over the unpatched ``model`` when its param groups do not hold as many parameters as the
+    optimizer's: the state of a patched run kept in that run's own layout (Adafactor's factored state, or any state
+    modelpatch could not convert; :data:`LAYOUT_FILE` then names it), which torch would refuse with a bare
+    ``ValueError`` about a parameter group's size. Nothing is loaded into the optimizer (nor, by the Trainer, the
+    scheduler).
+
+    Raises:
+        OptimizerStateError: naming the checkpoint, its layout (model class and conversion rules, when
+            :data:`LAYOUT_FILE` is there), this model's layout, the parameters of each param group on both sides
+            and the first group that differs, and the way out (resume with the recipe the run was trained with).
+    """
+    import json
+    import os
+
+    theirs = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if theirs == ours:
+        return
+    name = type(model).__name__
+    path = os.path.join(checkpoint, LAYOUT_FILE)
+    saved = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+    if saved is not None and saved.get("layout") == "model":
+        rules = saved.get("rules") or []
+        by = f" (conversion rule set(s) {', '.join(repr(r) for r in rules)})" if rules else ""
+        layout = (
+            f"the own layout of a patched {saved.get('model', name)}{by}, kept there because its state could not be "
+            "converted to the original layout (modelpatch warned when it was saved)"
+        )
+    else:
+        layout = "a layout other than this model's"
+    if len(theirs) != len(ours):
+        differs = f"{len(theirs)} param group(s) in the checkpoint, {len(ours)} here"
+    else:
+        g = next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)
+        differs = f"param group {g} has {theirs[g]} parameters in the checkpoint, {ours[g]} here"
+    raise OptimizerStateError(
+        f"resume_from_checkpoint={str(checkpoint)!r}: optimizer.pt holds {layout}, param groups of {theirs} "
+        f"parameters; this {name} is unpatched (the original layout), param groups of {ours} parameters: "
+        f"{differs}. Resume with the recipe (patch) the run was trained with, as the save-time warning said; "
+        "a new run can start from the checkpoint's model.safetensors (original layout), which from_pretrained "
+        "loads with or without a patch. Nothing was loaded into the optimizer or the scheduler."
+    )
 
 
 def _load_wrapper(original):
     @functools.wraps(original)
     def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
-        if checkpoint is None or not _plain(self):
+        if checkpoint is None or not _plain(self, own_layout=False):
             return original(self, checkpoint, *args, **kwargs)
         optimizer, model = self.optimizer, self.model
         own = optimizer.load_state_dict
+        try:
+            own_layout = carries_own_layout(model)
+        except Exception:  # noqa: BLE001 - a model modelpatch cannot inspect: Transformers' own path
+            return original(self, checkpoint, *args, **kwargs)
 
         def load_state_dict(state_dict):
-            return own(optimizer_state_dict_in_model_layout(model, optimizer, state_dict))
+            if own_layout:
+                return own(optimizer_state_dict_in_model_layout(model, optimizer, state_dict))
+            check_optimizer_checkpoint_layout(model, optimizer, state_dict, checkpoint)
+            return own(state_dict)
 
         with UndoStack() as undo:
             undo.setattr(optimizer, "load_state_dict", load_state_dict, raw=True)
