@@ -292,7 +292,10 @@ def test_verify_explain_and_convert_on_a_converted_folder_say_so(llama, tmp_path
     err = one_line_error(capsys, ["verify", "--model", fused, "--recipe", "llama-fused-qkv", "--no-progress"])
     assert f"'{fused}' is already in the converted layout of llama-fused-qkv" in err
     assert "(it has 'model.layers.0.self_attn.qkv_proj.bias' and no key matching self_attn.q_proj" in err
-    assert "the unpatched reference load would leave 12 parameter(s) random" in err  # q/k/v weight+bias x 2 layers
+    # q/k/v weight+bias x 2 layers, and the example is one of them
+    assert (
+        "the unpatched reference load would leave 12 parameter(s) random (e.g. 'model.layers.0.self_attn.k_proj" in err
+    )
     assert (
         f"verify the original checkpoint instead, or write it back first with `modelpatch convert {fused} OUT "
         "--recipe llama-fused-qkv --reverse`" in err
@@ -309,6 +312,77 @@ def test_verify_explain_and_convert_on_a_converted_folder_say_so(llama, tmp_path
         f"{fused} DST --recipe llama-fused-qkv --reverse`"
     )
     assert not again.exists()
+
+
+def test_a_tied_checkpoint_is_not_in_a_converted_layout(tmp_path, capsys):
+    """User trial: a valid qwen2_moe checkpoint with ``tie_word_embeddings=True`` (no ``lm_head.weight`` in the
+    file) made explain exit 2, "already in the converted layout ... leave 1 parameter(s) random (e.g.
+    'lm_head.weight')", while verify passed it. A tied key is not missing (Transformers ties it on load), and a
+    missing key the converter's sources do not name never makes a folder "already converted"."""
+    from transformers import Qwen2MoeForCausalLM
+
+    from helpers import save_tiny, tiny_qwen2_moe_config
+    from modelpatch.cli.checkpoint import read_config
+    from modelpatch.cli.plan import static_findings
+    from modelpatch.cli.verify import converted_layout_error, converted_layout_rule
+    from modelpatch.recipes import get_recipe
+
+    folder = str(tmp_path / "tied")
+    save_tiny(Qwen2MoeForCausalLM, tiny_qwen2_moe_config(tie_word_embeddings=True), folder)
+    assert "lm_head.weight" not in tensors(folder) and "model.embed_tokens.weight" in tensors(folder)
+    config = read_config(folder)
+    for name in ("qwen2_moe-linear-experts", "qwen2_moe-full-example"):
+        _, findings = static_findings(get_recipe(name), config, folder)
+        assert (findings.vanilla_missing, findings.missing, findings.unexpected) == ([], [], [])
+        code, report = run_json(capsys, ["explain", "--model", folder, "--recipe", name])
+        assert code == 0 and report["problems"] == {"patches": [], "loading": []}
+        assert report["missing_keys"] == [] and report["unexpected_keys"] == []
+    # verify agrees: the same checkpoint passes
+    code, report = run_json(
+        capsys, ["verify", "--model", folder, "--recipe", "qwen2_moe-linear-experts", "--no-progress"]
+    )
+    assert code == 0 and report["ok"] is True
+    assert report["loading"]["missing_keys"] == [] and report["loading"]["unexpected_keys"] == []
+    # the per-expert keys are the target layout of the fused-experts converter, whose source the file lacks ...
+    recipe = get_recipe("qwen2_moe-linear-experts")
+    assert converted_layout_rule(folder, recipe, config) == (
+        "model.layers.0.mlp.experts.0.gate_proj.weight",
+        "experts.gate_up_proj",
+    )
+    # ... but only a missing key that converter would have provided blames the layout
+    assert converted_layout_rule(folder, recipe, config, missing=["lm_head.weight"]) is None
+    assert converted_layout_error(folder, recipe, config, {"missing_keys": {"lm_head.weight"}}, "--recipe x") is None
+    missing = {"lm_head.weight", "model.layers.1.mlp.experts.down_proj"}
+    assert converted_layout_error(folder, recipe, config, {"missing_keys": missing}, "--recipe x") == (
+        f"'{folder}' is already in the converted layout of qwen2_moe-linear-experts (it has "
+        "'model.layers.0.mlp.experts.0.down_proj.weight' and no key matching experts.down_proj), so the unpatched "
+        "reference load would leave 2 parameter(s) random (e.g. 'model.layers.1.mlp.experts.down_proj') and nothing "
+        f"can be compared; verify the original checkpoint instead, or write it back first with `modelpatch convert "
+        f"{folder} OUT --recipe x --reverse` and verify OUT"
+    )
+
+
+def test_from_pretrained_ties_what_the_static_analysis_does_not_count_missing():
+    """:func:`reported_missing` decides as ``tie_weights(missing_keys=...)`` and ``_keys_to_ignore_on_load_missing``
+    do in ``from_pretrained``."""
+    from transformers import Qwen2MoeForCausalLM
+
+    from helpers import tiny_qwen2_moe_config
+    from modelpatch.cli.plan import reported_missing
+
+    with torch.device("meta"):
+        tied = Qwen2MoeForCausalLM(tiny_qwen2_moe_config(tie_word_embeddings=True))
+        untied = Qwen2MoeForCausalLM(tiny_qwen2_moe_config(tie_word_embeddings=False))
+    assert tied.all_tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    assert reported_missing(tied, {head}) == set()  # filled from the embeddings
+    assert reported_missing(tied, {embed}) == set()  # the head in the file fills the embeddings
+    assert reported_missing(tied, {head, embed}) == {head, embed}  # nothing to tie to
+    given = {head, "model.norm.weight"}
+    assert reported_missing(tied, given) == {"model.norm.weight"} and given == {head, "model.norm.weight"}
+    assert untied.all_tied_weights_keys == {} and reported_missing(untied, {head}) == {head}
+    untied._keys_to_ignore_on_load_missing = {r"\.norm\."}
+    assert reported_missing(untied, {head, "model.norm.weight"}) == {head}
 
 
 # -- defect: patches that break the KV cache, the attention mask or the load got PASS (or exit 2) ------------------

@@ -221,6 +221,45 @@ def test_routing_check_errors_are_one_line(rollout, capsys):
     assert "--routes holds a batch of 2 sequences" in capsys.readouterr().err
 
 
+def test_routing_check_takes_a_saved_generate_trace_as_routing_drift_does(tmp_path, capsys):
+    """User trial: ``--routes trace.safetensors`` (``trace.save`` of a recording around a sampling ``generate``, 6
+    prompt + 5 new tokens) with the generate output as ``--input-ids`` exited 2 ("sequence lengths [10] vs [11]")
+    where the engine array of the same trace and ``routing_drift`` in Python measured it. The command now measures
+    as ``routing_drift`` does: the same figures from the trace file, the engine array and Python."""
+    import json
+
+    from modelpatch.cli import main
+
+    model = tiny_model("qwen2_moe")
+    model.save_pretrained(tmp_path / "model")
+    engine = tiny_model("qwen2_moe")
+    perturb_routers(engine, seed=9)  # an engine whose weights lag the trainer's: the drift is not 0
+    torch.manual_seed(0)
+    prompt = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.no_grad(), record_routing(engine) as trace:
+        out = engine.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=True, pad_token_id=0)
+    assert tuple(out.shape) == (1, 11) and trace.sequence_lengths == [10]  # the last token is never routed
+    trace.save(tmp_path / "trace.safetensors")
+    np.save(tmp_path / "routes.npy", trace.to_routed_experts(0).numpy().astype(np.int32))
+    np.save(tmp_path / "ids.npy", out.numpy())
+    expected = routing_drift(model, RoutingTrace.load(tmp_path / "trace.safetensors"), out)
+    assert expected.tokens == 10 and 0 < expected.router_disagreement_rate < 1
+    reports = {}
+    for routes in ("trace.safetensors", "routes.npy"):
+        argv = ["routing-check", "--model", str(tmp_path / "model"), "--routes", str(tmp_path / routes)]
+        capsys.readouterr()
+        assert main([*argv, "--input-ids", str(tmp_path / "ids.npy"), "--json"]) == 0
+        reports[routes] = json.loads(capsys.readouterr().out)
+    for report in reports.values():
+        assert report["router_disagreement_rate"] == expected.router_disagreement_rate
+        assert report["token_flip_rate"] == expected.token_flip_rate
+        assert report["mean_topk_overlap"] == expected.mean_topk_overlap
+        assert [layer["tokens"] for layer in report["layers"]] == [10, 10]
+    # both replay the same routes (the last token routed naturally): the same logits
+    assert reports["trace.safetensors"] == reports["routes.npy"]
+    assert reports["routes.npy"]["replayed_logits_max_abs_diff"] > 0
+
+
 def test_replay_measures_drift_without_an_extra_forward():
     from modelpatch.routing import RoutingDriftMeter, replay_routing
 

@@ -31,6 +31,7 @@ __all__ = [
     "problem_words",
     "unmatched_key_hints",
     "static_findings",
+    "reported_missing",
     "build_on_meta",
     "unfired_rules",
     "rule_text",
@@ -227,8 +228,38 @@ def _analyse(model, headers: dict) -> _Analysis:
         return _Analysis(set(), set(), mismatched)
     except ConversionError as exc:
         return _Analysis(set(), set(), mismatched, str(exc).splitlines()[0])
-    missing = set(analysis.missing) - {name for name, _, _ in mismatched}
+    missing = reported_missing(model, set(analysis.missing)) - {name for name, _, _ in mismatched}
     return _Analysis(missing, set(analysis.unexpected), mismatched)
+
+
+def reported_missing(model, missing: set[str]) -> set[str]:
+    """The keys of ``missing`` (parameters and buffers of ``model`` no checkpoint key fills) that ``from_pretrained``
+    reports in ``missing_keys``, decided as Transformers 5.23-5.25 decide it after loading:
+
+    * a tied parameter is not missing when a key it is tied with is loaded: ``model.all_tied_weights_keys``
+      (``{target: source}``, from ``_tied_weights_keys`` of each sub-model whose config ties, e.g.
+      ``tie_word_embeddings=True``: ``lm_head.weight`` -> ``model.embed_tokens.weight``) read in order, as
+      ``PreTrainedModel.tie_weights(missing_keys=...)`` reads it: the target is filled by a present source, a
+      present target fills a missing source, and both missing are filled by a later pair with the same source whose
+      target is present;
+    * keys matching the model's ``_keys_to_ignore_on_load_missing`` patterns are not reported.
+
+    Returns a new set; ``missing`` is not changed.
+    """
+    import re
+
+    left = set(missing)
+    pairs = list((getattr(model, "all_tied_weights_keys", None) or {}).items())
+    for i, (target, source) in enumerate(pairs):
+        if source in left and target not in left:
+            left.discard(source)  # tied the other way round: the target that exists fills the source
+        elif target in left and (source not in left or any(s == source and t not in left for t, s in pairs[i + 1 :])):
+            left.discard(target)
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()  # noqa: SLF001 - what from_pretrained leaves out of missing_keys: no public accessor
+    if patterns:
+        ignored = re.compile("|".join(f"({pattern})" for pattern in patterns))
+        left = {key for key in left if ignored.search(key) is None}
+    return left
 
 
 def has_weights(model_dir: str) -> bool:

@@ -3,7 +3,9 @@
 Reads the routes (an engine's routed-experts array saved with NumPy, ``.npy``, or a safetensors file: a
 :class:`~modelpatch.routing.RoutingTrace` written by ``trace.save`` or a tensor ``routed_experts``), the token ids they
 were produced for, and the model; prints R3's agreement measures per layer and overall (router disagreement, token
-flip rate, top-k overlap: :mod:`modelpatch.routing.agreement`), then replays the routes through the model and
+flip rate, top-k overlap), measured as :func:`modelpatch.routing.routing_drift` measures them (so a trace recorded
+around ``generate``, with its output as the token ids, is compared on every token but the last generated one, which
+it never routed), then replays the routes through the model and
 reports how far the replayed logits are from the natural ones. ``--plot`` writes a per-layer disagreement chart
 (matplotlib: ``pip install "modelpatch[plot]"``). Exit status 0 (a measurement, not a check).
 """
@@ -128,9 +130,8 @@ def main(args: argparse.Namespace) -> int:
         RoutingDiscoveryError,
         RoutingTrace,
         RoutingTraceError,
-        compare_routing,
-        record_routing,
         replay_routing,
+        routing_drift,
     )
     from .checkpoint import checkpoint_dir, model_class, read_config, remote_code_kwargs
     from .sources import check_recipe_fits, config_names
@@ -174,9 +175,10 @@ def main(args: argparse.Namespace) -> int:
                 layer_axis=args.layer_axis,
             )
         with torch.no_grad():
-            with record_routing(model) as natural:
-                plain = model(input_ids=ids, attention_mask=mask).logits
-            agreement = compare_routing(trace, natural)
+            # routing_drift's own comparison: a trace recorded around generate (one row short per sequence, the
+            # last generated token never fed) is compared on every row but that last token, as in Python
+            agreement = routing_drift(model, trace, ids, mask)
+            plain = model(input_ids=ids, attention_mask=mask).logits
             with replay_routing(model, trace):
                 replayed = model(input_ids=ids, attention_mask=mask).logits
     except (RoutingTraceError, RoutingDiscoveryError, RouterContractError) as exc:

@@ -40,6 +40,7 @@ import argparse
 import math
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -416,15 +417,30 @@ def _load_for_training(cls, path: str, recipe: Recipe | None, dtype: torch.dtype
         raise CliError(f"{name} {which} load of '{path}' for --train failed: {type(exc).__name__}: {exc}") from None
 
 
-def converted_layout_rule(model_dir: str, recipe: Recipe, config) -> tuple[str, str] | None:
+def converted_layout_rule(
+    model_dir: str, recipe: Recipe, config, missing: Iterable[str] | None = None
+) -> tuple[str, str] | None:
     """``(a converted key, the source patterns)`` when a converter of ``recipe`` finds no checkpoint key of its
     source layout in ``model_dir`` but a key of its target layout (a folder written by ``modelpatch convert``), or
-    ``None``."""
+    ``None``.
+
+    ``missing``: keys of the unpatched model a load leaves unfilled; when given, only a converter whose source
+    patterns name one of them counts (the converted layout is what the load lacks), so a key missing for another
+    reason never makes the folder "already converted"."""
+    found = _converted_layout(model_dir, recipe, config, missing)
+    return None if found is None else found[:2]
+
+
+def _converted_layout(
+    model_dir: str, recipe: Recipe, config, missing: Iterable[str] | None
+) -> tuple[str, str, str | None] | None:
+    """:func:`converted_layout_rule`'s answer and the first key of ``missing`` the converter's sources name."""
     from ..conversion.compose import has_target_layout
     from ..conversion.rules import WeightConverter, as_modelpatch_rule, match_rule, original_patterns
 
     names = config_names(config)
     keys = checkpoint_keys(model_dir)
+    wanted = None if missing is None else sorted(missing)
     for name, rules in recipe.build_conversion_rules().items():
         if name not in names:
             continue
@@ -433,8 +449,11 @@ def converted_layout_rule(model_dir: str, recipe: Recipe, config) -> tuple[str, 
             if not isinstance(rule, WeightConverter) or any(match_rule(rule, key) is not None for key in keys):
                 continue
             converted = next((key for key in keys if has_target_layout(rule, [key])), None)
-            if converted is not None:
-                return converted, ", ".join(original_patterns(rule)[0])
+            if converted is None:
+                continue
+            lacked = None if wanted is None else next((k for k in wanted if match_rule(rule, k) is not None), None)
+            if wanted is None or lacked is not None:
+                return converted, ", ".join(original_patterns(rule)[0]), lacked
     return None
 
 
@@ -443,20 +462,22 @@ def converted_layout_error(model_dir: str, recipe: Recipe, config, vanilla_info:
     ``modelpatch convert``), or ``None``; ``explain`` gives the same from the checkpoint's headers.
 
     Such a folder is reported when a converter of the recipe finds no checkpoint key of its source layout but keys
-    of its target layout (:func:`converted_layout_rule`), and the unpatched load left parameters missing (randomly
-    initialised): comparing with that reference would blame the patch for the checkpoint's layout.
+    of its target layout, and the unpatched load left parameters missing (randomly initialised) that the
+    converter's source patterns name (:func:`converted_layout_rule` with ``missing``): comparing with that reference
+    would blame the patch for the checkpoint's layout. Parameters missing for another reason (a tied
+    ``lm_head.weight`` an analysis did not drop, a checkpoint saved without a head) never make this error.
     """
     missing = sorted(str(k) for k in vanilla_info.get("missing_keys") or ())
     if not missing:
         return None
-    found = converted_layout_rule(model_dir, recipe, config)
+    found = _converted_layout(model_dir, recipe, config, missing)
     if found is None:
         return None
-    converted, sources = found
+    converted, sources, lacked = found
     return (
         f"'{model_dir}' is already in the converted layout of {recipe.name} (it has '{converted}' and no "
         f"key matching {sources}), so the unpatched reference load would leave {len(missing)} parameter(s) "
-        f"random (e.g. '{missing[0]}') and nothing can be compared; verify the original checkpoint instead, "
+        f"random (e.g. '{lacked}') and nothing can be compared; verify the original checkpoint instead, "
         f"or write it back first with `modelpatch convert {model_dir} OUT {source_args} --reverse` and "
         f"verify OUT"
     )
