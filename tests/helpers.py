@@ -344,3 +344,14 @@ class StepCounter(TrainerCallback):
 
     def as_dict(self, trainer) -> dict:
         return {"started_at": self.started_at, "run": self.run, "global_step": trainer.state.global_step}
+
+
+def one_line_error(capsys, argv) -> str:
+    """Run ``argv``, which must fail with exit status 2 and one line on stderr; returns that line."""
+    from modelpatch.cli import main  # the CLI imports heavy modules: only the tests that run it pay for them
+
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("modelpatch: error: ") and "Traceback" not in err, err
+    return err.strip()

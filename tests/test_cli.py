@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import LlamaForCausalLM
 
-from helpers import save_tiny, tiny_llama_config
+from helpers import one_line_error, save_tiny, tiny_llama_config
 from modelpatch.cli import main
 from modelpatch.cli.checkpoint import example_checkpoint
 from recipes_support import MINILM_DIR, save_case, tensors
@@ -598,13 +598,6 @@ def test_verify_json_is_strict_json_when_the_outputs_are_nan(tmp_path, capsys):
     assert details["cache (dynamic)"].startswith("prefill: layer 1 keys differ by nan; first: row 0, token 0")
 
 
-def _convert_error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("modelpatch: error: ") and "Traceback" not in err, err
-    return err.strip()
-
-
 def test_convert_names_the_real_reason_when_nothing_is_converted(tmp_path, capsys):
     """A second ``convert`` into the same folder said the source was "already in the converted layout" (it is in
     the original layout) and pointed to a ``--reverse`` that fails; a recipe with nothing to convert for the
@@ -614,27 +607,27 @@ def test_convert_names_the_real_reason_when_nothing_is_converted(tmp_path, capsy
     assert main(["convert", src, str(out), "--recipe", "qwen2_moe-full-example"]) == 0
     written = sorted(os.listdir(out))
     capsys.readouterr()
-    err = _convert_error(capsys, ["convert", src, str(out), "--recipe", "qwen2_moe-full-example"])
+    err = one_line_error(capsys, ["convert", src, str(out), "--recipe", "qwen2_moe-full-example"])
     assert err == (
         f"modelpatch: error: convert_checkpoint: destination '{out}' exists and is not empty (stale shards of an "
         "earlier run would mix with the new ones); remove it or choose another"
     )
     assert sorted(os.listdir(out)) == written
     fresh = tmp_path / "fresh"
-    err = _convert_error(capsys, ["convert", src, str(fresh), "--recipe", "qwen2_moe-linear-experts"])
+    err = one_line_error(capsys, ["convert", src, str(fresh), "--recipe", "qwen2_moe-linear-experts"])
     assert err == (
         f"modelpatch: error: no rule of qwen2_moe-linear-experts changes a key of '{src}': its keys already are the "
         "layout the recipe loads, so there is nothing to convert (load it as it is, e.g. `modelpatch verify --model "
         f"{src} --recipe qwen2_moe-linear-experts`); nothing was written"
     )
-    err = _convert_error(capsys, ["convert", src, str(fresh), "--recipe", "qwen2_moe-linear-experts", "--reverse"])
+    err = one_line_error(capsys, ["convert", src, str(fresh), "--recipe", "qwen2_moe-linear-experts", "--reverse"])
     assert err.startswith(
         f"modelpatch: error: no rule of qwen2_moe-linear-experts matches a key of '{src}' in reverse: it is not in "
         "the layout qwen2_moe-linear-experts converts to"
     )
     assert not fresh.exists()
     # the converted folder itself: already converted, and the reverse it names works
-    err = _convert_error(capsys, ["convert", str(out), str(fresh), "--recipe", "qwen2_moe-full-example"])
+    err = one_line_error(capsys, ["convert", str(out), str(fresh), "--recipe", "qwen2_moe-full-example"])
     assert f"'{out}' is already in the converted layout of qwen2_moe-full-example" in err and "--reverse" in err
     assert main(["convert", str(out), str(fresh), "--recipe", "qwen2_moe-full-example", "--reverse"]) == 0
     original, back = tensors(src), tensors(fresh)

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers import conversion_mapping as transformers_conversion
 from transformers.models.llama.modeling_llama import LlamaAttention
 
+from helpers import one_line_error
 from modelpatch import apply_patches, get_patch_mapping, register_patch_mapping
 from modelpatch.cli import main
 from modelpatch.cli.inputs import model_inputs
@@ -91,15 +92,6 @@ def run_json(capsys, argv) -> tuple[int, dict]:
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
     return code, json.loads(captured.out)
-
-
-def one_line_error(capsys, argv) -> str:
-    """Run ``argv``, which must fail with exit status 2 and one line on stderr; returns that line."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.count("\n") == 1 and err.startswith("modelpatch: error: ") and "Traceback" not in err, err
-    return err.strip()
 
 
 def user_conversion_names() -> set[str]:
