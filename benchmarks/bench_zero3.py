@@ -6,8 +6,9 @@ One qwen2_moe checkpoint (hidden 256, 4 layers, 16 experts top-2, vocab 1024, ~1
 variant runs in its own ``torchrun`` launch (fresh processes), ``--repeats`` times, alternating: the load time
 (``from_pretrained``, barrier to barrier, 3 loads after a first that pays imports and DeepSpeed's set-up: their
 median and the fastest), the step time (a DeepSpeed engine with SGD, each rank a ``(1, 64)`` batch; median and
-fastest of 5 steps after one) and the peak RSS of rank 0 (``ru_maxrss``) at the end. Printed: medians over the
-launches (fastest of the fastest for the ``fastest`` rows: on a shared machine the least disturbed figure),
+fastest of 5 steps after one, and the median forward, backward and optimizer step apart) and the peak RSS of rank
+0 (``ru_maxrss``) at the end. ZeRO-3 runs with ``stage3_param_persistence_threshold`` at what Transformers' "auto"
+sets, 10 x hidden size (see the config below for why). Printed: medians over the launches (fastest of the fastest for the ``fastest`` rows: on a shared machine the least disturbed figure),
 patched / unpatched (targets: load <= 1.15x, step <= 1.10x, peak memory per rank <= 1.05x) and the spread of that
 ratio over the rounds.
 
@@ -33,6 +34,7 @@ import warnings
 import torch
 
 RECIPE = "qwen2_moe-linear-experts"
+HIDDEN = 256
 LOADS = 3  # timed loads per launch
 
 
@@ -40,7 +42,7 @@ def checkpoint(folder: str) -> str:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     config = Qwen2MoeConfig(
-        hidden_size=256,
+        hidden_size=HIDDEN,
         intermediate_size=512,
         moe_intermediate_size=256,
         shared_expert_intermediate_size=256,
@@ -69,7 +71,10 @@ def worker(path: str, how: str, out: str) -> None:
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")  # accelerate 1.15/1.16 without a GPU: see tests/zero3_dist_worker.py
     config = {
-        "zero_optimization": {"stage": 3},
+        # what Transformers' "auto" sets (10 x hidden_size); DeepSpeed's own default (1e5 elements) would keep every
+        # per-expert Linear of these tiny experts (256 x 256 = 65,536) unpartitioned: replicated on each rank and
+        # all-gathered after every optimizer step (the step then costs 1.24-1.39x), where the fused tensor is split
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10 * HIDDEN},
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": 2,
@@ -100,18 +105,26 @@ def worker(path: str, how: str, out: str) -> None:
     )
     ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
     steps = []
+    phases = []
     for _ in range(6):
         dist.barrier()
         started = time.perf_counter()
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        loss = engine(input_ids=ids, labels=ids).loss
+        dist.barrier()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        dist.barrier()
+        t2 = time.perf_counter()
         engine.step()
         dist.barrier()
         steps.append(time.perf_counter() - started)
+        phases.append((t1 - started, t2 - t1, time.perf_counter() - t2))
     if dist.get_rank() == 0:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with open(out, "w") as fh:
             record = {"load": statistics.median(loads), "load_min": min(loads), "step": statistics.median(steps[1:])}
-            json.dump({**record, "step_min": min(steps[1:]), "peak_mb": peak}, fh)
+            fwd, bwd, opt = (statistics.median(p[i] for p in phases[1:]) for i in range(3))
+            json.dump({**record, "step_min": min(steps[1:]), "peak_mb": peak, "fwd": fwd, "bwd": bwd, "opt": opt}, fh)
     del args
 
 
@@ -141,6 +154,9 @@ def main() -> int:
         ("step", "SGD step (s), median", 1.10),
         ("step_min", "SGD step (s), fastest", 1.10),
         ("peak_mb", "peak RSS rank 0 (MB)", 1.05),
+        ("fwd", "  of it: forward (s), median", 1.10),
+        ("bwd", "  of it: backward (s), median", 1.10),
+        ("opt", "  of it: optimizer step (s), median", 1.10),
     ):
         pick = min if key.endswith("_min") else statistics.median
         patched = pick(r[key] for r in results["patched"])
